@@ -1,0 +1,47 @@
+"""The error hierarchy. Caught in three places only: the link read loop,
+the HTTP handler, and the pipeline's retry loop."""
+
+
+class MeshError(Exception):
+    """Base of every error meshd raises on purpose."""
+
+
+class ConfigError(MeshError):
+    """A bad configuration value; the message names the key."""
+
+
+class ProtocolError(MeshError):
+    """A malformed, oversize or out-of-order frame; closes that one link."""
+
+
+class AuthError(ProtocolError):
+    """A peer failed the handshake (wrong secret, version or mesh)."""
+
+
+class PeerLost(MeshError):
+    """A peer a request depended on went away."""
+
+
+class ShardMissing(MeshError):
+    """A shard file is absent from the model directory."""
+
+
+class ShardCorrupt(MeshError):
+    """A shard file's size or sha256 does not match the manifest."""
+
+
+class ModelError(MeshError):
+    """A model directory or source file that cannot be used."""
+
+
+class NoCapacity(MeshError):
+    """The mesh cannot hold or serve the model right now (HTTP 503)."""
+
+
+class BadRequest(MeshError):
+    """A client request that cannot be served as asked (HTTP 4xx)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param

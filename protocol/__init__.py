@@ -1,0 +1,1 @@
+"""Wire messages between meshd peers and the one codec that encodes them."""

@@ -1,0 +1,1 @@
+"""Model side of meshd: config, shard files, conversion, the stage forward."""
