@@ -1,0 +1,6 @@
+"""Fixtures live in tests/fixtures/, one module per area, so that each can grow on its own."""
+
+pytest_plugins = [
+    "tests.fixtures.models",
+    "tests.fixtures.netlab",
+]
