@@ -1,0 +1,201 @@
+"""One frozen configuration, built once: TOML file < MESHD_* environment < flags.
+
+Every key is named the same way in all three places: a flag ``--secret-file`` is
+the TOML key ``secret_file`` and the variable ``MESHD_SECRET_FILE``. List values
+(``peer``, ``mdns_interface``) are TOML arrays, comma-separated in the environment,
+and repeated flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+import tomllib
+from types import UnionType
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from meshd.errors import ConfigError
+
+DEFAULT_PORT = 8470
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_state_dir() -> Path:
+    """$STATE_DIRECTORY under systemd, else the XDG state dir."""
+    if systemd := os.environ.get("STATE_DIRECTORY"):
+        return Path(systemd.split(":")[0])
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "meshd"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    name: str = field(default_factory=socket.gethostname)
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    mesh: str = "home"
+    secret_file: Path | None = None
+    model: str = "smollm2-135m"
+    state_dir: Path = field(default_factory=default_state_dir)
+    device: str = "auto"
+    dtype: str = "auto"
+    mdns: bool = True
+    mdns_interface: tuple[str, ...] = ()
+    peer: tuple[str, ...] = ()
+    advertise_vram: int | None = None
+    # Bytes of memory this peer offers for layers; None: free VRAM, else 70% of RAM.
+    mem_budget: int | None = None
+    heartbeat_s: float = 1.0
+    missed_beats: int = 3
+    # How long a supernode waits after the view changes before it plans, so
+    # peers that start together produce one plan, not one each.
+    settle_s: float = 1.0
+    accept_timeout_s: float = 300.0
+    drain_timeout_s: float = 20.0
+    max_frame_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = 1024 * 1024
+    max_tokens_limit: int = 4096
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not self.mesh or len(self.mesh) > 63:
+            raise ConfigError("mesh: must be 1-63 characters")
+        if self.heartbeat_s <= 0 or self.missed_beats < 1:
+            raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
+        for addr in self.peer:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"peer: {addr!r} is not HOST:PORT")
+
+    @property
+    def secret_path(self) -> Path:
+        return self.secret_file or self.state_dir / "secret"
+
+    def load_secret(self) -> bytes:
+        """The mesh secret; a missing default secret is generated (mode 0600) for a one-box mesh."""
+        path = self.secret_path
+        if not path.exists():
+            if self.secret_file is not None:
+                raise ConfigError(f"secret_file: {path} does not exist")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+        secret = path.read_bytes().strip()
+        if len(secret) < 16:
+            raise ConfigError(f"secret_file: {path} holds fewer than 16 bytes")
+        return secret
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective configuration as plain values (no secret is ever held here)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def _coerce(name: str, annotation: Any, value: Any, source: str) -> Any:
+    """Turn a TOML/env/flag value into the field's type, naming the key on failure."""
+    types = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    if value is None and type(None) in types:
+        return None
+    kinds = [t for t in types if t is not type(None)]
+    kind = kinds[0]
+    try:
+        if get_origin(kind) is tuple:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise TypeError("expected a list of strings")
+            return tuple(value)
+        if kind is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if not isinstance(value, bool):
+                raise TypeError("expected true or false")
+            return value
+        if kind is int:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise TypeError("expected an integer")
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise TypeError("expected a number")
+            return float(value)
+        if kind is Path:
+            if not isinstance(value, (str, Path)):
+                raise TypeError("expected a path")
+            return Path(value).expanduser()
+        if not isinstance(value, str):
+            raise TypeError("expected a string")
+        return value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name} (from {source}): bad value {value!r}: {exc}") from None
+
+
+def build_config(
+    file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge the three sources in precedence order; unknown keys and bad values are errors."""
+    known = get_type_hints(Config)
+    values: dict[str, Any] = {}
+
+    if file is not None:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {file} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file}: {exc}") from None
+        table = data.get("meshd", data) if isinstance(data.get("meshd"), dict) else data
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"unknown key {key!r} in {file}")
+            values[name] = _coerce(name, known[name], value, str(file))
+
+    env = os.environ if environ is None else environ
+    for key, value in env.items():
+        if not key.startswith("MESHD_") or key in _NOT_CONFIG_ENV:
+            continue
+        name = key[len("MESHD_"):].lower()
+        if name not in known:
+            raise ConfigError(f"unknown environment variable {key}")
+        values[name] = _coerce(name, known[name], value, key)
+
+    for name, value in (flags or {}).items():
+        if value is None or value == ():
+            continue
+        if name not in known:
+            raise ConfigError(f"unknown option --{name.replace('_', '-')}")
+        values[name] = _coerce(name, known[name], value, "--" + name.replace("_", "-"))
+
+    return Config(**values)
+
+
+# Variables with the MESHD_ prefix that are not configuration keys.
+_NOT_CONFIG_ENV = frozenset({"MESHD_CONFIG", "MESHD_TEST_MODEL_DIR"})
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    return dataclasses.replace(config, **changes)
