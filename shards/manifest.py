@@ -1,0 +1,173 @@
+"""manifest.json: what a model directory holds, with the size and sha256 of every file.
+
+The manifest is written last during conversion, so a directory with a manifest is a
+complete one; a peer checks each file it opens against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from meshd.errors import ModelError, ShardCorrupt, ShardMissing
+from shards.config import ModelConfig
+from shards.span import Span
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+EMBED_FILE = "embed.safetensors"
+_CHUNK = 1 << 20
+
+
+def layer_file(i: int) -> str:
+    return f"layer-{i:03d}.safetensors"
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """Stream a file through sha256; ``progress(n)`` is called with each chunk's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def check_file_name(name: str) -> str:
+    """A manifest names plain files inside the model directory, nothing else."""
+    p = PurePosixPath(name)
+    if (not name or "/" in name or "\\" in name or "\x00" in name or p.is_absolute()
+            or name in (".", "..") or name.startswith("..") or os.sep in name
+            or (os.altsep is not None and os.altsep in name)):
+        raise ModelError(f"manifest file name {name!r} points outside the model directory")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    architecture: str
+    config: ModelConfig
+    dtype: str
+    files: dict[str, FileEntry]
+    chat_template: str | None = None
+    format: int = FORMAT_VERSION
+    _raw: bytes | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in self.files:
+            check_file_name(name)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layers
+
+    # -- serialisation -------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format,
+            "name": self.name,
+            "architecture": self.architecture,
+            "dtype": self.dtype,
+            "n_layers": self.n_layers,
+            "config": self.config.to_dict(),
+            "chat_template": self.chat_template,
+            "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
+        }
+
+    def to_bytes(self) -> bytes:
+        if self._raw is not None:
+            return self._raw
+        return (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        try:
+            data = json.loads(raw)
+            if data.get("format", 1) > FORMAT_VERSION:
+                raise ModelError(f"manifest format {data['format']} is newer than this meshd ({FORMAT_VERSION})")
+            config = ModelConfig.from_dict(data["config"])
+            if data.get("n_layers", config.n_layers) != config.n_layers:
+                raise ModelError(f"manifest n_layers={data['n_layers']} disagrees with config ({config.n_layers})")
+            files = {str(n): FileEntry(str(e["sha256"]), int(e["size"])) for n, e in data["files"].items()}
+            return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
+                       dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
+                       format=int(data.get("format", 1)), _raw=raw)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ModelError(f"malformed manifest: {e!r}") from e
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Manifest:
+        path = Path(model_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise ModelError(f"{model_dir} is not a model directory: no {MANIFEST_FILE}")
+        return cls.from_bytes(path.read_bytes())
+
+    def write(self, model_dir: Path) -> Path:
+        """Write atomically (temp file + rename), so readers never see half a manifest."""
+        path = Path(model_dir) / MANIFEST_FILE
+        tmp = path.with_name(f".{MANIFEST_FILE}.tmp")
+        tmp.write_bytes(self.to_bytes())
+        os.replace(tmp, path)
+        return path
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the manifest.json bytes: the model's identity in a plan."""
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    # -- which files a stage needs ---------------------------------------------------
+
+    def files_for(self, span: Span | None, embed: bool) -> list[str]:
+        """Files a stage with ``span`` needs; ``embed`` covers embedding, norm, head and tokenizer."""
+        names: list[str] = []
+        if embed:
+            names += [EMBED_FILE, TOKENIZER_FILE]
+        if span is not None:
+            if span.stop > self.n_layers:
+                raise ModelError(f"span {span} exceeds the model's {self.n_layers} layers")
+            names += [layer_file(i) for i in span]
+        for n in names:
+            if n not in self.files:
+                raise ModelError(f"manifest lists no {n}")
+        return names
+
+    def layer_bytes(self, i: int) -> int:
+        return self.files[layer_file(i)].size
+
+    @property
+    def embed_bytes(self) -> int:
+        return self.files[EMBED_FILE].size
+
+    # -- checking files against it --------------------------------------------------
+
+    def verify(self, model_dir: Path, names: Iterable[str] | None = None,
+               progress: Callable[[int], None] | None = None) -> None:
+        """Raise ShardMissing / ShardCorrupt naming the first bad file; size first, then sha256."""
+        for name in (self.files if names is None else names):
+            check_file_name(name)
+            entry = self.files.get(name)
+            if entry is None:
+                raise ModelError(f"manifest lists no {name}")
+            path = Path(model_dir) / name
+            if not path.is_file():
+                raise ShardMissing(f"{name} is missing from {model_dir}")
+            size = path.stat().st_size
+            if size != entry.size:
+                raise ShardCorrupt(f"{name} is {size} bytes, manifest says {entry.size}")
+            digest = sha256_file(path, progress)
+            if digest != entry.sha256:
+                raise ShardCorrupt(f"{name} sha256 {digest[:12]}… does not match manifest {entry.sha256[:12]}…")
