@@ -1,0 +1,133 @@
+"""Convert a GGUF file or a Hugging Face directory into a meshd model directory.
+
+Every file is written to a temporary name and renamed; the manifest comes last, so a
+directory with a manifest is complete, and an interrupted run leaves none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import save
+from tqdm import tqdm
+
+from meshd.errors import MeshError, ModelError
+from shards.gguf_source import GGUFSource, is_gguf
+from shards.hf_source import HFSource, is_hf_dir
+from shards.manifest import (EMBED_FILE, MANIFEST_FILE, TOKENIZER_FILE, FileEntry, Manifest,
+                             layer_file)
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def open_source(src: Path) -> GGUFSource | HFSource:
+    src = Path(src)
+    if is_gguf(src):
+        return GGUFSource(src)
+    if is_hf_dir(src):
+        return HFSource(src)
+    raise ModelError(f"{src} is neither a GGUF file nor a Hugging Face directory (config.json + *.safetensors)")
+
+
+def _write_atomic(path: Path, data: bytes) -> FileEntry:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return FileEntry(hashlib.sha256(data).hexdigest(), len(data))
+
+
+def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
+    return save({k: v.to(dtype).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+
+
+def _up_to_date(out: Path, name: str, dtype: str) -> bool:
+    """A finished conversion of the same name and dtype whose every file checks out."""
+    if not (out / MANIFEST_FILE).is_file():
+        return False
+    try:
+        manifest = Manifest.load(out)
+        if manifest.name != name or manifest.dtype != dtype:
+            return False
+        manifest.verify(out)
+    except MeshError as e:
+        log.info("convert_redo", out=str(out), reason=str(e))
+        return False
+    return True
+
+
+def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = None,
+            progress: bool = True) -> Path:
+    """Write the model directory for ``src`` into ``out`` and return ``out``."""
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} not one of {sorted(DTYPES)}")
+    src, out = Path(src), Path(out)
+    source = open_source(src)
+    name = name or source.name
+    if _up_to_date(out, name, dtype):
+        log.info("convert_skipped", out=str(out), model=name)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    # Whatever manifest was there no longer describes the files about to be written.
+    (out / MANIFEST_FILE).unlink(missing_ok=True)
+    log.info("convert_started", src=str(src), out=str(out), format=source.format, model=name, dtype=dtype)
+    tdtype = DTYPES[dtype]
+    cfg = source.config
+    files: dict[str, FileEntry] = {}
+    files[TOKENIZER_FILE] = _write_atomic(out / TOKENIZER_FILE, source.tokenizer_bytes())
+    bar = tqdm(total=cfg.n_layers + 1, desc=f"convert {name}", unit="shard", disable=not progress)
+    with bar:
+        embed = source.embed_tensors()
+        _check_shapes(embed, cfg, None)
+        files[EMBED_FILE] = _write_atomic(out / EMBED_FILE, _tensors_bytes(embed, tdtype))
+        del embed
+        bar.update(1)
+        for i in range(cfg.n_layers):
+            layer = source.layer_tensors(i)
+            _check_shapes(layer, cfg, i)
+            files[layer_file(i)] = _write_atomic(out / layer_file(i), _tensors_bytes(layer, tdtype))
+            bar.update(1)
+    manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=dtype,
+                        files=files, chat_template=source.chat_template)
+    manifest.write(out)
+    log.info("convert_done", out=str(out), model=name, files=len(files),
+             bytes=sum(e.size for e in files.values()), digest=manifest.digest[:12])
+    return out
+
+
+def expected_shapes(cfg, layer: int | None) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    if layer is None:
+        shapes = {"tok_embeddings.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+        if not cfg.tie_embeddings:
+            shapes["output.weight"] = (cfg.vocab_size, h)
+        return shapes
+    return {
+        "attention_norm.weight": (h,),
+        "attention.wq.weight": (cfg.q_size, h),
+        "attention.wk.weight": (cfg.kv_size, h),
+        "attention.wv.weight": (cfg.kv_size, h),
+        "attention.wo.weight": (h, cfg.q_size),
+        "ffn_norm.weight": (h,),
+        "feed_forward.w1.weight": (cfg.intermediate_size, h),
+        "feed_forward.w2.weight": (h, cfg.intermediate_size),
+        "feed_forward.w3.weight": (cfg.intermediate_size, h),
+    }
+
+
+def _check_shapes(tensors: dict[str, torch.Tensor], cfg, layer: int | None) -> None:
+    want = expected_shapes(cfg, layer)
+    if set(tensors) != set(want):
+        raise ModelError(f"layer {layer}: tensors {sorted(tensors)} != expected {sorted(want)}")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != shape:
+            where = "embed" if layer is None else f"layer {layer}"
+            raise ModelError(f"{where}: {k} has shape {tuple(tensors[k].shape)}, config says {shape}")
