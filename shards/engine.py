@@ -1,0 +1,219 @@
+"""StageEngine: a loaded Stage, its per-session KV caches, and the one thread that touches them.
+
+Every torch call runs on the engine's single worker thread under ``torch.inference_mode``;
+the async methods hand work to it, so the event loop never blocks on a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import structlog
+import torch
+from torch import Tensor
+
+from meshd.errors import ModelError
+from shards.config import ModelConfig
+from shards.manifest import Manifest
+from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_cos_sin
+from shards.span import Span
+
+log = structlog.get_logger()
+R = TypeVar("R")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # CPUs here have no bf16 hardware and fp32 prefills fastest; GPUs want half width.
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class StageEngine:
+    def __init__(self, stage: Stage, manifest: Manifest):
+        self.stage = stage
+        self.manifest = manifest
+        self.config: ModelConfig = manifest.config
+        self.span = stage.span
+        self.device = stage.device
+        self.dtype = stage.dtype
+        self._caches: dict[str, Caches] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshd-engine")
+
+    @classmethod
+    def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
+             device: str = "auto", dtype: str | torch.dtype = "auto", verify: bool = True) -> StageEngine:
+        dev = pick_device(device)
+        dt = pick_dtype(dtype, dev)
+        t0 = time.perf_counter()
+        stage, manifest = load_stage(model_dir, span, embed, head, dev, dt, verify=verify)
+        log.info("stage_loaded", model=manifest.name, span=str(span) if span else None, embed=embed,
+                 head=head, device=str(dev), dtype=str(dt).removeprefix("torch."),
+                 seconds=round(time.perf_counter() - t0, 2))
+        return cls(stage, manifest)
+
+    # -- the worker thread ----------------------------------------------------------
+
+    def _call(self, fn: Callable[[], R]) -> R:
+        with torch.inference_mode():
+            return fn()
+
+    async def _run(self, fn: Callable[[], R]) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
+
+    def run_sync(self, fn: Callable[[], R]) -> R:
+        """Run ``fn`` on the worker thread and wait (for tests, bench and start-up)."""
+        return self._pool.submit(self._call, fn).result()
+
+    # -- what runs there -------------------------------------------------------------
+
+    def _embed(self, tokens: Sequence[int]) -> Tensor:
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        return self.stage.embed(ids)
+
+    def _forward(self, session: str, start: int, hidden: Tensor) -> Tensor:
+        if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
+            raise ModelError(f"hidden has shape {tuple(hidden.shape)}, want [T, {self.config.hidden_size}]")
+        if self.span is None:
+            return hidden
+        caches = self._caches.get(session)
+        if caches is None:
+            if start != 0:
+                raise ModelError(f"session {session} has no cache here; replay from 0, not {start}")
+            caches = self._caches[session] = self.stage.new_caches()
+        cached = next(iter(caches.values())).length
+        if start > cached:
+            raise ModelError(f"session {session} has {cached} cached positions, cannot start at {start}")
+        if start + hidden.shape[0] > self.config.max_position:
+            raise ModelError(f"positions up to {start + hidden.shape[0]} exceed max {self.config.max_position}")
+        for cache in caches.values():  # a replay or rewind: cut back, then append
+            cache.truncate(start)
+        return self.stage(hidden, start, caches)
+
+    def _head(self, hidden: Tensor) -> Tensor:
+        return self.stage.head(hidden)
+
+    # -- the async interface --------------------------------------------------------
+
+    async def embed(self, tokens: Sequence[int]) -> Tensor:  # -> [T, H]
+        return await self._run(lambda: self._embed(tokens))
+
+    async def forward(self, session: str, start: int, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        return await self._run(lambda: self._forward(session, start, hidden))
+
+    async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
+        return await self._run(lambda: self._head(hidden))
+
+    def cached_length(self, session: str) -> int:
+        caches = self._caches.get(session)
+        return next(iter(caches.values())).length if caches else 0
+
+    def drop(self, session: str) -> None:
+        # Dict pop is atomic; the worker only reads the entry inside a call it already holds.
+        self._caches.pop(session, None)
+
+    @property
+    def sessions(self) -> int:
+        return len(self._caches)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._caches.clear()
+
+
+def generate_greedy(parts: StageEngine | Stage | Sequence[StageEngine | Stage],
+                    token_ids: Sequence[int], n: int) -> list[int]:
+    """Greedy-decode ``n`` tokens through stages in order (first embeds, last has the head)."""
+    chain = [parts] if isinstance(parts, (StageEngine, Stage)) else list(parts)
+    stages = [p.stage if isinstance(p, StageEngine) else p for p in chain]
+    caches = [s.new_caches() for s in stages]
+
+    def step(tokens: list[int], start: int) -> int:
+        x = stages[0].embed(torch.tensor(tokens, dtype=torch.long, device=stages[0].device))
+        for s, c in zip(stages, caches):
+            x = s(x, start, c)
+        return int(stages[-1].head(x[-1:])[0].argmax())
+
+    out: list[int] = []
+    with torch.inference_mode():
+        pos, feed = 0, list(token_ids)
+        for _ in range(n):
+            nxt = step(feed, pos)
+            out.append(nxt)
+            pos += len(feed)
+            feed = [nxt]
+    return out
+
+
+def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dtype: str | torch.dtype = "auto",
+                     budget_s: float = 0.4, context: int = 64) -> float:
+    """Milliseconds for one decode step through one layer, measured within ``budget_s``.
+
+    With an engine that holds layers, its own first layer is timed on its worker thread;
+    with a bare config (a peer joining before any weights are loaded), a random layer.
+    """
+    if isinstance(target, StageEngine) and target.span is not None:
+        block = target.stage.layers[str(target.span.start)]
+        cfg, dev, dt = target.config, target.device, target.dtype
+        return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context))
+    cfg = target.config if isinstance(target, StageEngine) else target
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    with torch.device(dev):
+        block = Block(cfg).to(dt)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    with torch.inference_mode():
+        return _time_block(block, cfg, dev, dt, budget_s, context)
+
+
+def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dtype,
+                budget_s: float, context: int) -> float:
+    cache = KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev)
+    x = torch.randn(context, cfg.hidden_size, device=dev, dtype=dt)
+    cos, sin = rope_cos_sin(torch.arange(context, device=dev), cfg.head_dim, cfg.rope_theta, dt)
+    block(x, cos, sin, 0, cache)  # prefill a short context, also the warm-up
+    one = x[:1]
+    times = []
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or len(times) < 3:
+        cache.truncate(context)
+        c, s = cos[-1:], sin[-1:]
+        _sync(dev)
+        t0 = time.perf_counter()
+        block(one, c, s, context, cache)
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 200:
+            break
+    times.sort()
+    return 1000.0 * times[len(times) // 2]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()

@@ -1,0 +1,256 @@
+"""A Llama-family forward in the style of gpt-fast's model.py, cut into stages.
+
+A ``Stage`` holds an optional embedding, a span of transformer layers (keyed by their
+absolute layer number) and an optional final norm and head, so one class serves the
+supernode (embed + head) and every stage (a span). Tensor shapes in comments use
+T = new positions, S = cached + new positions, H = hidden, V = vocab, nh / nkv = query /
+key-value heads, hd = head dim. There is no batch dimension: one session per call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from meshd.errors import ModelError
+from shards.config import ModelConfig
+from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
+from shards.span import Span
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        xf = x.float()  # the mean of squares in float32 whatever the weights' dtype
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, hd] for the rotate-half rope at ``positions`` [T]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                .float() / head_dim))  # [hd/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [heads, T, hd], cos/sin [T, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """One layer's keys and values for one session: [nkv, capacity, hd], grown in chunks."""
+
+    CHUNK = 256
+
+    def __init__(self, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.empty(n_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def _grow(self, need: int) -> None:
+        cap = -(-need // self.CHUNK) * self.CHUNK
+        nkv, _, hd = self.k.shape
+        k = self.k.new_empty(nkv, cap, hd)
+        v = self.v.new_empty(nkv, cap, hd)
+        k[:, : self.length] = self.k[:, : self.length]
+        v[:, : self.length] = self.v[:, : self.length]
+        self.k, self.v = k, v
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [nkv, T, hd] at ``start`` (== length); return all [nkv, S, hd]."""
+        if start != self.length:
+            raise ModelError(f"KV cache holds {self.length} positions, cannot append at {start}")
+        end = start + k.shape[1]
+        if end > self.capacity:
+            self._grow(end)
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ModelError(f"cannot cut a KV cache of {self.length} positions back to {n}")
+        self.length = n
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.wq = nn.Linear(c.hidden_size, c.q_size, bias=False)
+        self.wk = nn.Linear(c.hidden_size, c.kv_size, bias=False)
+        self.wv = nn.Linear(c.hidden_size, c.kv_size, bias=False)
+        self.wo = nn.Linear(c.q_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, cache: KVCache | None) -> Tensor:
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.n_heads, self.head_dim).transpose(0, 1)  # [nh, T, hd]
+        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, T, hd]
+        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(start, k, v)  # [nkv, S, hd]
+        elif start != 0:
+            raise ModelError("a forward from a position other than 0 needs a KV cache")
+        S = k.shape[1]
+        rep = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(rep, dim=0)  # [nh, S, hd]
+        v = v.repeat_interleave(rep, dim=0)
+        if T == 1:  # one new position sees everything before it
+            y = F.scaled_dot_product_attention(q, k, v)
+        elif S == T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new row i (position start+i) sees keys 0 .. start+i
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(0, 1).reshape(T, -1))  # [nh, T, hd] -> [T, H]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # gate
+        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)  # down
+        self.w3 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # up
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.feed_forward = FeedForward(c)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, cache: KVCache | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, start, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+Caches = dict[int, KVCache]  # absolute layer number -> that layer's cache
+
+
+class Stage(nn.Module):
+    """Embedding (optional), layers ``span`` (optional), final norm + head (optional)."""
+
+    def __init__(self, config: ModelConfig, span: Span | None, embed: bool, head: bool):
+        super().__init__()
+        if span is not None and span.stop > config.n_layers:
+            raise ModelError(f"span {span} exceeds the model's {config.n_layers} layers")
+        self.config, self.span, self.has_embed, self.has_head = config, span, embed, head
+        c = config
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): Block(c) for i in (span or ())})
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
+        self.output = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
+        self.tie()
+
+    def tie(self) -> None:
+        """Tied models: the head is the embedding matrix (same tensor when both live here)."""
+        if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def new_caches(self) -> Caches:
+        c, p = self.config, next(self.parameters())
+        return {i: KVCache(c.n_kv_heads, c.head_dim, p.dtype, p.device) for i in (self.span or ())}
+
+    def embed(self, tokens: Tensor) -> Tensor:  # [T] int64 -> [T, H]
+        if self.tok_embeddings is None:
+            raise ModelError("this stage holds no embedding")
+        return self.tok_embeddings(tokens)
+
+    def forward(self, hidden: Tensor, start: int, caches: Caches | None = None) -> Tensor:
+        """Run the span over ``hidden`` [T, H] at positions start .. start+T-1."""
+        if self.span is None:
+            return hidden
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i in self.span:
+            x = self.layers[str(i)](x, cos, sin, start, None if caches is None else caches[i])
+        return x
+
+    def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
+        if self.output is None or self.norm is None:
+            raise ModelError("this stage holds no head")
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        return self.output(self.norm(x)).float()
+
+
+def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """(file key, our state-dict key) pairs from one safetensors file (never pickle)."""
+    out: dict[str, Tensor] = {}
+    read: dict[str, Tensor] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as st:
+        have = set(st.keys())
+        for theirs, ours in keys:
+            if theirs not in have:
+                raise ModelError(f"{path.name} lacks tensor {theirs}")
+            if theirs not in read:  # a tied head shares the embedding's tensor
+                read[theirs] = st.get_tensor(theirs).to(device=device, dtype=dtype)
+            out[ours] = read[theirs]
+    return out
+
+
+def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               verify: bool = True) -> tuple[Stage, Manifest]:
+    """Build a stage on the meta device and fill it from just its own shard files."""
+    model_dir = Path(model_dir)
+    manifest = Manifest.load(model_dir)
+    names = [n for n in manifest.files_for(span, embed or head) if n != TOKENIZER_FILE or embed]
+    if verify:
+        manifest.verify(model_dir, names)
+    device = torch.device(device)
+    with torch.device("meta"):
+        stage = Stage(manifest.config, span, embed, head)
+    state: dict[str, Tensor] = {}
+    if embed or head:
+        keys = []
+        if embed:
+            keys.append(("tok_embeddings.weight", "tok_embeddings.weight"))
+        if head:
+            # A head-only stage of a tied model still needs the embedding matrix, as its head.
+            tied = manifest.config.tie_embeddings
+            keys += [("norm.weight", "norm.weight"),
+                     ("tok_embeddings.weight" if tied else "output.weight", "output.weight")]
+        state |= _read(model_dir / EMBED_FILE, keys, device, dtype)
+    for i in span or ():
+        prefix = f"layers.{i}."
+        keys = [(k[len(prefix):], k) for k in stage.state_dict(keep_vars=True) if k.startswith(prefix)]
+        state |= _read(model_dir / layer_file(i), keys, device, dtype)
+    stage.load_state_dict(state, strict=True, assign=True)
+    stage.tie()
+    stage.eval()
+    return stage, manifest
