@@ -1,0 +1,230 @@
+"""mDNS discovery: advertise this node and turn zeroconf's browser into events.
+
+zeroconf's callbacks only put events on the queue, or start a TXT resolution in
+a task this object owns. mDNS finds peers and hears goodbyes; it cannot tell a
+crashed peer from a live one (PTR TTLs are >= 1125 s), so liveness is the peer
+link's heartbeat, not this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import ipaddress
+import socket
+import struct
+from dataclasses import dataclass
+
+import ifaddr
+import structlog
+from zeroconf import IPVersion, NonUniqueNameException, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from meshd.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+SERVICE_TYPE = "_meshd._tcp.local."
+VIRTUAL_PREFIXES = ("docker", "veth", "br-", "virbr", "vnet", "tun", "tap", "cni", "flannel", "cali", "zt", "wg")
+RESOLVE_TIMEOUT_MS = 3000
+CLOSE_TIMEOUT_S = 3.0
+_IP_MULTICAST_ALL = 49  # Linux; not exported by the socket module
+
+
+@dataclass(frozen=True, slots=True)
+class Advert:
+    node_id: str
+    name: str
+    mesh: str
+    version: int
+    host: str
+    port: int
+    vram: int
+    ram: int
+    device: str
+
+    def txt(self) -> dict[str, str]:
+        return {"v": str(self.version), "id": self.node_id, "mesh": self.mesh, "name": self.name,
+                "vram": str(self.vram), "ram": str(self.ram), "dev": self.device, "port": str(self.port)}
+
+    @classmethod
+    def from_info(cls, info: AsyncServiceInfo) -> Advert:
+        """Raises KeyError/ValueError on a TXT record that is not ours."""
+        txt = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
+        addrs = info.parsed_addresses(IPVersion.V4Only)
+        return cls(node_id=txt["id"], name=txt.get("name", txt["id"]), mesh=txt["mesh"],
+                   version=int(txt["v"]), host=addrs[0] if addrs else "", port=int(txt["port"]),
+                   vram=int(txt["vram"]), ram=int(txt["ram"]), device=txt["dev"])
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSeen:
+    advert: Advert
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGone:
+    node_id: str
+
+
+DiscoveryEvent = PeerSeen | PeerGone
+
+
+def _is_up(name: str) -> bool:
+    """IFF_UP from SIOCGIFFLAGS (asks the kernel of our own namespace; /sys may be stale)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            flags = fcntl.ioctl(s, 0x8913, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return False
+    return bool(struct.unpack_from("H", flags, 16)[0] & 0x1)
+
+
+def default_interfaces(adapters: list[ifaddr.Adapter] | None = None, is_up=_is_up) -> list[str]:
+    """IPv4 addresses of the UP, non-loopback, non-virtual interfaces."""
+    out = []
+    for adapter in ifaddr.get_adapters() if adapters is None else adapters:
+        name = adapter.nice_name
+        if name.startswith(VIRTUAL_PREFIXES) or not is_up(name):
+            continue
+        for ip in adapter.ips:
+            if ip.is_IPv4:
+                addr = ipaddress.IPv4Address(ip.ip)
+                if not (addr.is_loopback or addr.is_link_local):
+                    out.append(str(addr))
+    return out
+
+
+def _confine(zc: Zeroconf, interfaces: list[str]) -> None:
+    """Keep mDNS on the chosen interfaces only.
+
+    zeroconf's listen socket is bound to 0.0.0.0:5353. Linux would by default
+    hand it multicast from any interface where some other socket joined the
+    group (IP_MULTICAST_ALL), and zeroconf answers a unicast query through the
+    socket it came in on. So: no foreign groups, and in loopback mode the socket
+    is pinned to `lo`, so nothing ever leaves through a real NIC.
+    """
+    loopback_only = all(ipaddress.IPv4Address(a).is_loopback for a in interfaces)
+    for reader in zc.engine.readers:
+        sock = reader.transport.get_extra_info("socket")
+        if sock is None or sock.getsockname()[0] != "0.0.0.0":
+            continue
+        with contextlib.suppress(OSError):  # not Linux: the option does not exist
+            sock.setsockopt(socket.IPPROTO_IP, _IP_MULTICAST_ALL, 0)
+        if loopback_only:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, b"lo")
+
+
+class Discovery:
+    def __init__(self, advert: Advert, queue: asyncio.Queue, interfaces: list[str] | None = None) -> None:
+        self.advert = advert
+        self.queue = queue
+        if interfaces is None:
+            interfaces = default_interfaces()
+            if not interfaces:
+                log.warning("mdns_no_interfaces", fallback="127.0.0.1",
+                            hint="no UP non-virtual IPv4 interface; only peers on this host will be "
+                                 "found; use --mdns-interface ADDR or --peer HOST:PORT")
+        self.interfaces = list(interfaces) or ["127.0.0.1"]
+        self._zc: AsyncZeroconf | None = None
+        self._browser: AsyncServiceBrowser | None = None
+        self._info: AsyncServiceInfo | None = None
+        self._resolving: dict[str, asyncio.Task] = {}  # service name -> its resolution
+        self._seen: dict[str, Advert] = {}  # service name -> last advert emitted
+        self._ignored: dict[str, str] = {}  # service name -> why, so each is logged once
+
+    def _service_info(self) -> AsyncServiceInfo:
+        a, label = self.advert, self.advert.node_id[:63]
+        return AsyncServiceInfo(
+            SERVICE_TYPE, f"{label}.{SERVICE_TYPE}", port=a.port, properties=a.txt(),
+            server=f"meshd-{label[:50]}.local.", addresses=[socket.inet_aton(i) for i in self.interfaces])
+
+    async def start(self) -> None:
+        a = self.advert
+        self._info = self._service_info()
+        self._zc = AsyncZeroconf(interfaces=self.interfaces, ip_version=IPVersion.V4Only)
+        await self._zc.zeroconf.async_wait_for_start()
+        _confine(self._zc.zeroconf, self.interfaces)
+        self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
+        try:
+            await (await self._zc.async_register_service(self._info, allow_name_change=False))
+        except NonUniqueNameException as e:
+            raise ConfigError(f"another node on the network advertises node id {a.node_id}") from e
+        log.info("mdns_started", interfaces=self.interfaces, node=a.node_id, mesh=a.mesh)
+
+    async def update(self, advert: Advert) -> None:
+        """Re-announce new TXT fields (same node id); peers get PeerSeen again."""
+        assert self._zc is not None and advert.node_id == self.advert.node_id
+        self.advert = advert
+        self._info = self._service_info()
+        await (await self._zc.async_update_service(self._info))
+
+    def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
+                   state_change: ServiceStateChange) -> None:
+        if task := self._resolving.pop(name, None):
+            task.cancel()
+        if state_change is ServiceStateChange.Removed:
+            self._ignored.pop(name, None)
+            if advert := self._seen.pop(name, None):
+                self._emit(PeerGone(advert.node_id))
+            return
+        task = asyncio.get_running_loop().create_task(self._resolve(name))
+        self._resolving[name] = task
+        task.add_done_callback(lambda t: self._resolving.get(name) is t and self._resolving.pop(name))
+
+    async def _resolve(self, name: str) -> None:
+        assert self._zc is not None
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
+            log.info("mdns_unresolved", service=name)
+            return
+        try:
+            advert = Advert.from_info(info)
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            return self._ignore(name, f"malformed TXT: {e!r}")
+        if advert.node_id == self.advert.node_id:
+            return self._ignore(name, "self")
+        if advert.mesh != self.advert.mesh:
+            return self._ignore(name, f"mesh {advert.mesh!r} is not ours")
+        if advert.version != self.advert.version:
+            return self._ignore(name, f"protocol version {advert.version} != {self.advert.version}")
+        if not advert.host:
+            return self._ignore(name, "no IPv4 address")
+        self._ignored.pop(name, None)
+        if self._seen.get(name) != advert:
+            self._seen[name] = advert
+            self._emit(PeerSeen(advert))
+
+    def _ignore(self, name: str, why: str) -> None:
+        if self._ignored.get(name) != why:
+            self._ignored[name] = why
+            (log.debug if why == "self" else log.info)("mdns_ignored", service=name, why=why)
+
+    def _emit(self, event: DiscoveryEvent) -> None:
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            log.error("discovery_queue_full", dropped=repr(event))
+
+    async def close(self) -> None:
+        """Goodbye packet first (peers drop us in ~ms), then the sockets."""
+        zc, self._zc = self._zc, None
+        if zc is None:
+            return
+        tasks = list(self._resolving.values())
+        self._resolving.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if self._browser is not None:
+                    await self._browser.async_cancel()
+                if self._info is not None:
+                    await (await zc.async_unregister_service(self._info))
+        except TimeoutError:
+            log.warning("mdns_goodbye_timeout", timeout_s=CLOSE_TIMEOUT_S)
+        finally:
+            await zc.async_close()
+        log.info("mdns_stopped", node=self.advert.node_id)
