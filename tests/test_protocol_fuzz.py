@@ -1,0 +1,85 @@
+"""Hostile input: whatever bytes arrive, decode returns a Message or raises
+ProtocolError, never anything else, and never takes long."""
+
+from __future__ import annotations
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshd.errors import ProtocolError
+from protocol.codec import decode, encode
+from protocol.messages import MESSAGE_TYPES
+
+from .test_protocol import SAMPLES
+
+FUZZ = settings(
+    max_examples=3000, deadline=200, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+FRAMES = [encode(m) for m in SAMPLES]
+
+# Values a mutated field may take: every msgpack type, nested a little.
+wire_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def decodes_or_refuses(data: bytes) -> None:
+    try:
+        msg = decode(data)
+    except ProtocolError:
+        return
+    assert isinstance(msg, MESSAGE_TYPES)
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_random_bytes(data):
+    decodes_or_refuses(data)
+
+
+@FUZZ
+@given(st.sampled_from(FRAMES), st.data())
+def test_byte_level_mutations(data, draw):
+    buf = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 8))):
+        op = draw.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = draw.draw(st.integers(0, max(len(buf) - 1, 0)))
+        if op == "flip" and buf:
+            buf[at] = draw.draw(st.integers(0, 255))
+        elif op == "cut":
+            del buf[at : at + draw.draw(st.integers(1, 16))]
+        else:
+            buf[at:at] = draw.draw(st.binary(min_size=1, max_size=8))
+    decodes_or_refuses(bytes(buf))
+
+
+def _paths(node, prefix=()):
+    """Every key path into a decoded frame, nested maps and lists included."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in items:
+        yield (*prefix, key)
+        yield from _paths(child, (*prefix, key))
+
+
+@FUZZ
+@given(st.sampled_from(FRAMES), st.data())
+def test_field_level_mutations(data, draw):
+    frame = msgpack.unpackb(data, raw=False)
+    paths = list(_paths(frame))
+    for _ in range(draw.draw(st.integers(1, 3))):
+        path = draw.draw(st.sampled_from(paths))
+        node = frame
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            if draw.draw(st.booleans()) and isinstance(node, dict):
+                node.pop(path[-1], None)
+            else:
+                node[path[-1]] = draw.draw(wire_values)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation replaced a parent of this path
+    decodes_or_refuses(msgpack.packb(frame, use_bin_type=True))
