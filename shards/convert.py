@@ -70,11 +70,16 @@ def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = Non
     if dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} not one of {sorted(DTYPES)}")
     src, out = Path(src), Path(out)
-    source = open_source(src)
-    name = name or source.name
-    if _up_to_date(out, name, dtype):
+    # With a name given, a finished directory is recognised without opening the source.
+    if name is not None and _up_to_date(out, name, dtype):
         log.info("convert_skipped", out=str(out), model=name)
         return out
+    source = open_source(src)
+    if name is None:
+        name = source.name
+        if _up_to_date(out, name, dtype):
+            log.info("convert_skipped", out=str(out), model=name)
+            return out
     out.mkdir(parents=True, exist_ok=True)
     # Whatever manifest was there no longer describes the files about to be written.
     (out / MANIFEST_FILE).unlink(missing_ok=True)
