@@ -1,0 +1,259 @@
+"""Where each transformer layer runs. Pure functions over a view of peers.
+
+The supernode keeps the embedding, final norm and head; the layers are cut into
+contiguous half-open spans, at most one per peer. Requests pipeline through the
+stages, so what limits the mesh is its slowest stage:
+
+    stage_ms(peer) = count * layer_ms (+ hop_ms off the supernode, + head_ms on it)
+
+``place`` minimises the largest stage_ms subject to each peer's memory. Because
+every layer costs the same on a given peer, each peer offers an increasing
+sequence of "finish times" (hop + 1*ms, hop + 2*ms, ... up to what its memory
+holds), and the best plan takes the n smallest of all of them: the n-th is the
+bottleneck, and no other choice of n can beat it. That one rule also gives the
+behaviour we want at the edges: equal peers take turns, so the layers spread
+evenly; a peer 3x slower offers a third as many values under any bottleneck, so
+it gets about a third of the layers; a peer whose very first layer would
+already be the slowest stage offers nothing below the bottleneck and gets no
+span. (Petals' block_selection and exo's planner are the models for keeping
+this small.)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from meshd.errors import NoCapacity, ProtocolError
+from protocol.messages import Assignment, Capabilities, NodeId
+from shards.span import Span
+
+_EPS = 1e-9  # float slack when comparing bottlenecks
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A peer as placement sees it."""
+
+    node_id: NodeId
+    mem_budget: int  # bytes usable for layers (and the head, on the supernode)
+    layer_ms: float  # measured decode ms of one layer; <= 0 means not measured yet
+    vram: int = 0
+    ram: int = 0
+
+    @classmethod
+    def from_caps(cls, node_id: NodeId, caps: Capabilities) -> Candidate:
+        return cls(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
+
+
+def place(
+    candidates: Iterable[Candidate],
+    *,
+    supernode: NodeId,
+    n_layers: int,
+    layer_bytes: int | Sequence[int],
+    head_bytes: int = 0,
+    hop_ms: float = 0.0,
+    head_ms: float = 0.0,
+    order: Sequence[NodeId] = (),
+) -> tuple[Assignment, ...]:
+    """Spans covering ``[0, n_layers)`` exactly once, in layer order, the
+    supernode's first (from layer 0) when it has one.
+
+    ``order`` lays the other peers' spans out in that order (then by node id),
+    so that a re-plan moves boundaries rather than whole spans.
+    Raises ``NoCapacity`` when the candidates cannot hold the model.
+    """
+    peers = _usable(candidates, supernode, head_bytes)
+    per_layer = _per_layer_bytes(layer_bytes, n_layers)
+    caps = {p.node_id: _room(p, supernode, head_bytes) // per_layer for p in peers}
+    held = sum(caps.values())
+    if held < n_layers:
+        short = (n_layers - held) * per_layer
+        raise NoCapacity(
+            f"peers have room for {held} of {n_layers} layers: {short} bytes short "
+            f"({n_layers - held} x {per_layer}-byte layers)"
+        )
+
+    # Each peer's next finish time, smallest first; ties go to the earlier peer
+    # in layout order, so equal peers alternate.
+    layout = _layout(peers, supernode, order)
+    counts = dict.fromkeys(layout, 0)
+    ms = {p.node_id: p.layer_ms for p in peers}
+    heap = [(_fixed_ms(n, supernode, hop_ms, head_ms) + ms[n], i, n) for i, n in enumerate(layout) if caps[n]]
+    heapq.heapify(heap)
+    for _ in range(n_layers):
+        finish, i, node = heapq.heappop(heap)
+        counts[node] += 1
+        if counts[node] < caps[node]:
+            heapq.heappush(heap, (finish + ms[node], i, node))
+
+    plan, start = [], 0
+    for node in layout:
+        if counts[node]:
+            plan.append(Assignment(node, Span(start, start + counts[node])))
+            start += counts[node]
+    return tuple(plan)
+
+
+def replan(
+    current: Sequence[Assignment],
+    alive: set[NodeId],
+    candidates: Iterable[Candidate],
+    *,
+    supernode: NodeId,
+    n_layers: int,
+    layer_bytes: int | Sequence[int],
+    head_bytes: int = 0,
+    hop_ms: float = 0.0,
+    head_ms: float = 0.0,
+) -> tuple[Assignment, ...]:
+    """A plan for the ``alive`` peers that disturbs ``current`` as little as is free.
+
+    Every load costs seconds (and a fetch, if the peer lacks the files), so:
+    if keeping every survivor's span and handing each lost span whole to an
+    idle peer is as fast as a fresh placement, do that; otherwise place afresh,
+    with the survivors laid out in their current order so boundaries shift
+    rather than spans jumping across the model.
+    """
+    pool = [c for c in candidates if c.node_id in alive]
+    survivors = [a.node for a in sorted(current, key=lambda a: a.span.start) if a.node in alive]
+    fresh = place(
+        pool, supernode=supernode, n_layers=n_layers, layer_bytes=layer_bytes,
+        head_bytes=head_bytes, hop_ms=hop_ms, head_ms=head_ms, order=survivors,
+    )
+    patched = _patch(current, pool, supernode, n_layers, layer_bytes, head_bytes)
+    if patched is None:
+        return fresh
+
+    def cost(plan: Sequence[Assignment]) -> float:
+        return bottleneck(plan, candidates=pool, supernode=supernode, hop_ms=hop_ms, head_ms=head_ms)
+
+    return patched if cost(patched) <= cost(fresh) + _EPS else fresh
+
+
+def validate(assignments: Sequence[Assignment], n_layers: int) -> None:
+    """Raise ``ProtocolError`` unless the spans cover ``[0, n_layers)`` exactly
+    once, contiguously, in layer order, one span per node. A peer runs this on
+    every Plan it receives before loading anything."""
+    nodes = [a.node for a in assignments]
+    if len(set(nodes)) != len(nodes):
+        raise ProtocolError(f"plan gives some node more than one span: {nodes}")
+    at = 0
+    for a in assignments:
+        if a.span.start > at:
+            raise ProtocolError(f"plan leaves layers {at}:{a.span.start} unowned")
+        if a.span.start < at:
+            raise ProtocolError(f"plan runs layers {a.span.start}:{at} twice (at {a.node})")
+        at = a.span.stop
+    if at != n_layers:
+        raise ProtocolError(f"plan covers layers 0:{at}, the model has {n_layers}")
+
+
+def bottleneck(
+    assignments: Sequence[Assignment],
+    *,
+    candidates: Iterable[Candidate],
+    supernode: NodeId,
+    hop_ms: float = 0.0,
+    head_ms: float = 0.0,
+) -> float:
+    """The slowest stage of a plan, in ms per decode step."""
+    ms = {c.node_id: c.layer_ms for c in candidates}
+    stages = [_fixed_ms(a.node, supernode, hop_ms, head_ms) + len(a.span) * ms[a.node] for a in assignments]
+    return max(stages, default=0.0)
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def _usable(candidates: Iterable[Candidate], supernode: NodeId, head_bytes: int) -> list[Candidate]:
+    """The candidates that can take layers. An unmeasured speed (<= 0) is not
+    "infinitely fast": such a peer waits for its measurement. The supernode is
+    always kept, since it holds the head whatever else it does."""
+    peers = {c.node_id: c for c in candidates}
+    sn = peers.get(supernode)
+    if sn is None:
+        raise ValueError(f"supernode {supernode} is not among the candidates")
+    if sn.mem_budget < head_bytes:
+        raise NoCapacity(f"supernode {supernode} is {head_bytes - sn.mem_budget} bytes short of the head")
+    return [c for c in peers.values() if c.node_id == supernode or _measured(c)]
+
+
+def _measured(c: Candidate) -> bool:
+    return math.isfinite(c.layer_ms) and c.layer_ms > 0
+
+
+def _room(c: Candidate, supernode: NodeId, head_bytes: int) -> int:
+    if not _measured(c):
+        return 0
+    return max(0, c.mem_budget - (head_bytes if c.node_id == supernode else 0))
+
+
+def _per_layer_bytes(layer_bytes: int | Sequence[int], n_layers: int) -> int:
+    """One size for every layer: Llama layers are all the same size, and taking
+    the largest makes a count that fits fit wherever its span lands."""
+    if n_layers <= 0:
+        raise ValueError(f"n_layers must be positive, got {n_layers}")
+    if isinstance(layer_bytes, int):
+        sizes = [layer_bytes]
+    else:
+        sizes = list(layer_bytes)
+        if len(sizes) != n_layers:
+            raise ValueError(f"{len(sizes)} layer sizes for {n_layers} layers")
+    return max(1, max(sizes))
+
+
+def _fixed_ms(node: NodeId, supernode: NodeId, hop_ms: float, head_ms: float) -> float:
+    """What a stage costs before its layers: the supernode embeds and projects,
+    every other stage is a network round trip away."""
+    return head_ms if node == supernode else hop_ms
+
+
+def _layout(peers: list[Candidate], supernode: NodeId, order: Sequence[NodeId]) -> list[NodeId]:
+    """Supernode first (its layers need no hop, and embed feeds them directly),
+    then ``order``, then the rest by node id, so the result never depends on the
+    order peers were discovered in."""
+    rest = sorted(p.node_id for p in peers if p.node_id != supernode)
+    rank = {n: i for i, n in enumerate(order)}
+    rest.sort(key=lambda n: rank.get(n, len(rank)))
+    return [supernode, *rest]
+
+
+def _patch(
+    current: Sequence[Assignment],
+    pool: list[Candidate],
+    supernode: NodeId,
+    n_layers: int,
+    layer_bytes: int | Sequence[int],
+    head_bytes: int,
+) -> tuple[Assignment, ...] | None:
+    """``current`` with each lost span given whole to the fastest idle peer that
+    can hold it, or None when that is not possible."""
+    by_id = {c.node_id: c for c in pool}
+    per_layer = _per_layer_bytes(layer_bytes, n_layers)
+    try:
+        validate(sorted(current, key=lambda a: a.span.start), n_layers)
+    except ProtocolError:
+        return None
+    idle = sorted(
+        (c for c in pool if _measured(c) and all(a.node != c.node_id for a in current)),
+        key=lambda c: (c.layer_ms, c.node_id),
+    )
+    plan = []
+    for a in sorted(current, key=lambda a: a.span.start):
+        owner = by_id.get(a.node)
+        if owner is None:
+            owner = next((c for c in idle if _room(c, supernode, head_bytes) >= len(a.span) * per_layer), None)
+            if owner is None:
+                return None
+            idle.remove(owner)
+        elif _room(owner, supernode, head_bytes) < len(a.span) * per_layer:
+            return None  # its budget shrank (or it became supernode and holds the head now)
+        plan.append(Assignment(owner.node_id, a.span))
+    # Keep the rule that the supernode's span, if any, comes first.
+    if any(a.node == supernode for a in plan[1:]):
+        return None
+    return tuple(plan)
