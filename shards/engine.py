@@ -89,7 +89,11 @@ class StageEngine:
     # -- what runs there -------------------------------------------------------------
 
     def _embed(self, tokens: Sequence[int]) -> Tensor:
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        tokens = list(tokens)
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad or not tokens:
+            raise ModelError(f"token ids {bad[:5] or tokens} outside the vocabulary of {self.config.vocab_size}")
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.stage.embed(ids)
 
     def _forward(self, session: str, start: int, hidden: Tensor) -> Tensor:

@@ -1,0 +1,190 @@
+"""The forward: split-equals-whole, KV-cache decode against full recompute, cut-back/replay."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from meshd.errors import ModelError
+from shards.engine import StageEngine, generate_greedy, measure_layer_ms
+from shards.manifest import Manifest
+from shards.model import Stage, load_stage
+from shards.span import Span
+from shards.tokenizer import MeshTokenizer
+
+PROMPT = "The quick brown fox jumps over"
+
+
+def _chain_logits(stages, tokens):
+    """Full-prompt logits [T, V] through stages in order, each with a fresh cache."""
+    with torch.inference_mode():
+        x = stages[0].embed(torch.tensor(tokens))
+        for s in stages:
+            x = s(x, 0, s.new_caches())
+        return stages[-1].head(x)
+
+
+def _split(model_dir, cuts):
+    n = Manifest.load(model_dir).n_layers
+    bounds = [0, *cuts, n]
+    spans = [Span(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [load_stage(model_dir, sp, i == 0, i == len(spans) - 1)[0] for i, sp in enumerate(spans)]
+
+
+def test_tiny_split_equals_whole(tiny_model_dir):
+    tok = MeshTokenizer.load(tiny_model_dir)
+    ids = tok.encode(PROMPT)
+    whole = load_stage(tiny_model_dir, Span(0, 6), True, True)[0]
+    parts = _split(tiny_model_dir, [2, 4])
+    a, b = _chain_logits([whole], ids), _chain_logits(parts, ids)
+    assert torch.equal(a, b)
+    greedy = generate_greedy(whole, ids, 16)
+    assert generate_greedy(parts, ids, 16) == greedy
+    assert len(set(greedy)) > 3, f"degenerate tiny model output {greedy}"
+
+
+def test_stage_opens_only_its_files(tiny_model_dir, tmp_path):
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    for i in (0, 1, 4, 5):
+        (copy / f"layer-{i:03d}.safetensors").unlink()
+    (copy / "embed.safetensors").unlink()
+    (copy / "tokenizer.json").unlink()
+    stage, _ = load_stage(copy, Span(2, 4), False, False)
+    assert sorted(stage.layers.keys()) == ["2", "3"]
+    assert stage.tok_embeddings is None and stage.output is None
+    assert not any(p.is_meta for p in stage.parameters())
+
+
+def test_kv_decode_equals_full_recompute(tiny_model_dir):
+    stage = load_stage(tiny_model_dir, Span(0, 6), True, True)[0]
+    ids = MeshTokenizer.load(tiny_model_dir).encode(PROMPT)
+    full = _chain_logits([stage], ids)  # [T, V] in one causal pass
+    with torch.inference_mode():
+        caches = stage.new_caches()
+        steps = [stage.head(stage(stage.embed(torch.tensor([t])), i, caches)) for i, t in enumerate(ids)]
+    stepped = torch.cat(steps)
+    torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
+    assert torch.equal(stepped.argmax(-1), full.argmax(-1))
+    # Chunked prefill (rows see a cached prefix plus a causal block) agrees too.
+    with torch.inference_mode():
+        caches = stage.new_caches()
+        k = 5
+        first = stage.head(stage(stage.embed(torch.tensor(ids[:k])), 0, caches))
+        rest = stage.head(stage(stage.embed(torch.tensor(ids[k:])), k, caches))
+    torch.testing.assert_close(torch.cat([first, rest]), full, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_grows_past_a_chunk(tiny_model_dir):
+    stage = load_stage(tiny_model_dir, Span(0, 2), True, True)[0]
+    ids = [3 + (i * 7) % 290 for i in range(300)]  # longer than one 256-position cache chunk
+    full = _chain_logits([stage], ids)
+    with torch.inference_mode():
+        caches = stage.new_caches()
+        a = stage.head(stage(stage.embed(torch.tensor(ids[:250])), 0, caches))
+        b = stage.head(stage(stage.embed(torch.tensor(ids[250:])), 250, caches))
+    assert caches[0].capacity == 512 and caches[0].length == 300
+    torch.testing.assert_close(torch.cat([a, b]), full, atol=1e-4, rtol=1e-4)
+
+
+async def test_engine_cut_back_and_replay(tiny_model_dir):
+    tok = MeshTokenizer.load(tiny_model_dir)
+    ids = tok.encode(PROMPT)
+    first = StageEngine.load(tiny_model_dir, None, True, True, device="cpu")
+    mid = StageEngine.load(tiny_model_dir, Span(0, 6), False, False, device="cpu")
+    try:
+        assert first.dtype == torch.float32 and first.device.type == "cpu"
+        h = await first.embed(ids)
+        assert h.shape == (len(ids), 64)
+        out = await mid.forward("s1", 0, h)
+        ref = await first.head(out)
+        assert ref.dtype == torch.float32 and ref.shape == (len(ids), tok.vocab_size)
+        # Decode two tokens, then rewind to after the prompt and replay: same logits.
+        for pos, t in enumerate([5, 6], start=len(ids)):
+            await mid.forward("s1", pos, await first.embed([t]))
+        assert mid.cached_length("s1") == len(ids) + 2
+        again = await mid.forward("s1", len(ids), await first.embed([5]))
+        # ... bitwise the same as a session that never went past the prompt.
+        await mid.forward("s2", 0, h)
+        fresh = await mid.forward("s2", len(ids), await first.embed([5]))
+        assert torch.equal(await first.head(again), await first.head(fresh))
+        # Replay the whole history from 0 (a new owner after a peer loss) is the same call.
+        replay = await mid.forward("s1", 0, h)
+        assert torch.equal(replay, out)
+        assert mid.sessions == 2
+        with pytest.raises(ModelError, match="cannot start at"):
+            await mid.forward("s1", len(ids) + 3, await first.embed([7]))
+        with pytest.raises(ModelError, match="outside the vocabulary"):
+            await first.embed([tok.vocab_size])
+        with pytest.raises(ModelError, match="replay from 0"):
+            await mid.forward("s3", 4, await first.embed([7]))
+        mid.drop("s1")
+        mid.drop("s2")
+        assert mid.sessions == 0
+        assert 0 < measure_layer_ms(mid) < 100
+    finally:
+        first.close()
+        mid.close()
+
+
+def test_measure_layer_ms_from_config(tiny_model_dir):
+    cfg = Manifest.load(tiny_model_dir).config
+    ms = measure_layer_ms(cfg, device="cpu", budget_s=0.1)
+    assert 0 < ms < 100
+
+
+def test_stage_span_must_fit(tiny_model_dir):
+    cfg = Manifest.load(tiny_model_dir).config
+    with pytest.raises(ModelError):
+        Stage(cfg, Span(4, 7), False, False)
+
+
+# -- the real model -----------------------------------------------------------------------
+
+REAL_SPANS = [10, 20]
+
+
+@pytest.fixture(scope="module")
+def real_parts(real_model_dir):
+    return _split(real_model_dir, REAL_SPANS)
+
+
+@pytest.mark.real_model
+def test_real_split_equals_whole(real_model_dir, real_stage, real_parts):
+    ids = MeshTokenizer.load(real_model_dir).encode("In a mesh of small machines, each one holds")
+    assert [s.span for s in real_parts] == [Span(0, 10), Span(10, 20), Span(20, 30)]
+    assert real_parts[0].tok_embeddings is not None and real_parts[0].output is None
+    # The last stage holds the head but not the embedding: its head is the tied matrix.
+    assert real_parts[2].tok_embeddings is None
+    assert torch.equal(real_parts[2].output.weight, real_stage.tok_embeddings.weight)
+    a, b = _chain_logits([real_stage], ids), _chain_logits(real_parts, ids)
+    assert torch.equal(a, b), f"max diff {(a - b).abs().max()}"
+    greedy = generate_greedy(real_stage, ids, 32)
+    assert generate_greedy(real_parts, ids, 32) == greedy
+
+
+@pytest.mark.real_model
+def test_real_model_knows_paris(real_model_dir, real_stage):
+    """A wrong Q/K row order or rope would not get this right."""
+    tok = MeshTokenizer.load(real_model_dir)
+    out = tok.decode(generate_greedy(real_stage, tok.encode("The capital of France is"), 6))
+    assert "Paris" in out, out
+
+
+@pytest.mark.real_model
+def test_real_kv_decode_equals_full_recompute(real_model_dir, real_stage):
+    ids = MeshTokenizer.load(real_model_dir).encode("Once upon a time, there was a small")
+    full = _chain_logits([real_stage], ids)
+    with torch.inference_mode():
+        caches = real_stage.new_caches()
+        k = len(ids) - 4
+        pre = real_stage.head(real_stage(real_stage.embed(torch.tensor(ids[:k])), 0, caches))
+        steps = [real_stage.head(real_stage(real_stage.embed(torch.tensor([t])), k + i, caches))
+                 for i, t in enumerate(ids[k:])]
+    stepped = torch.cat([pre, *steps])
+    diff = (stepped - full).abs().max().item()
+    scale = full.abs().max().item()
+    print(f"kv decode vs recompute: max abs diff {diff:.2e} of logits up to {scale:.1f}")
+    assert diff < 1e-3 * scale
+    assert torch.equal(stepped.argmax(-1), full.argmax(-1))
