@@ -143,8 +143,18 @@ class Discovery:
     async def start(self) -> None:
         a = self.advert
         self._info = self._service_info()
-        self._zc = AsyncZeroconf(interfaces=self.interfaces, ip_version=IPVersion.V4Only)
+        try:
+            self._zc = AsyncZeroconf(interfaces=self.interfaces, ip_version=IPVersion.V4Only)
+        except OSError as e:
+            raise ConfigError(f"mdns: cannot bind {self.interfaces} (--mdns-interface): {e}") from e
         await self._zc.zeroconf.async_wait_for_start()
+        bound = {t.transport.get_extra_info("sockname")[0] for t in self._zc.zeroconf.engine.senders}
+        if missing := [i for i in self.interfaces if i not in bound]:
+            log.warning("mdns_interface_unusable", addresses=missing, hint="not an address of this host?")
+        if not bound:
+            await self._zc.async_close()
+            self._zc = None
+            raise ConfigError(f"mdns: none of {self.interfaces} can be bound (--mdns-interface)")
         _confine(self._zc.zeroconf, self.interfaces)
         self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
         try:

@@ -1,0 +1,187 @@
+"""HTTP API on every peer: the OpenAI-compatible endpoints, /status, /healthz.
+
+The handler is one of the three places errors are caught: a MeshError becomes a
+4xx/5xx JSON body, and the daemon goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from meshd.errors import BadRequest, MeshError, NoCapacity
+from meshd.openai import (
+    CompletionRequest,
+    choice_json,
+    chunk_json,
+    completion_id,
+    error_json,
+    parse_request,
+    response_json,
+)
+from meshd.scheduler import Usage
+
+if TYPE_CHECKING:
+    from meshd.node import Node
+
+log = structlog.get_logger()
+
+NODE = web.AppKey("node", "Node")
+
+
+def error_response(message: str, status: int, param: str | None = None) -> web.Response:
+    return web.json_response(error_json(message, status, param), status=status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(str(exc), exc.status, exc.param)
+    except NoCapacity as exc:
+        return error_response(f"the mesh cannot serve now: {exc}", 503)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(f"request body too large (limit {exc.max_size} bytes)", 413)
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return error_response(exc.reason, exc.status)
+        raise
+    except MeshError as exc:
+        log.warning("request_failed", path=request.path, error=str(exc))
+        return error_response(str(exc), 500)
+
+
+async def read_json(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    node = request.app[NODE]
+    body = await read_json(request)
+    if not node.is_supernode:
+        return await node.proxy_completion(request, body)
+    engine_ready = node.serving_parts()
+    if engine_ready is None:
+        raise NoCapacity(node.unavailable_reason())
+    tokenizer, context = engine_ready
+    req = parse_request(
+        body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
+        max_tokens_limit=node.config.max_tokens_limit,
+    )
+    if req.stream:
+        return await _stream(request, node, req)
+    return await _whole(node, req)
+
+
+def _choice_params(req: CompletionRequest, index: int):
+    if req.params.seed is None or index == 0:
+        return req.params
+    return dataclasses.replace(req.params, seed=req.params.seed + index)
+
+
+async def _whole(node: Node, req: CompletionRequest) -> web.Response:
+    cid = completion_id(req.chat)
+    usage = Usage()
+
+    async def one(index: int) -> dict:
+        text, ids, finish = [], [], None
+        async for chunk in node.scheduler.generate(
+            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
+        ):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            finish = chunk.finish_reason or finish
+        return choice_json(req, index, "".join(text), ids, finish)
+
+    choices = await asyncio.gather(*(one(i) for i in range(req.n)))
+    return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
+
+
+async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> web.StreamResponse:
+    cid = completion_id(req.chat)
+    # Fail before the 200 goes out when the mesh cannot serve at all.
+    if node.pipeline.plan is None:
+        raise NoCapacity(node.unavailable_reason())
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+
+    async def one(index: int) -> None:
+        first = True
+        try:
+            async for chunk in node.scheduler.generate(
+                req.prompt_ids, _choice_params(req, index), history=list(req.resume)
+            ):
+                data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
+                await queue.put(data)
+                first = False
+        finally:
+            await queue.put(None)
+
+    async def write_events() -> None:
+        finished = 0
+        while finished < req.n:
+            item = await queue.get()
+            if item is None:
+                finished += 1
+            else:
+                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+
+    # A client that goes away makes write_events raise, the group cancels the
+    # generations, and their sessions are freed on every stage.
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(req.n):
+                tg.create_task(one(i))
+            tg.create_task(write_events())
+    except* MeshError as group:
+        exc = group.exceptions[0]
+        log.warning("stream_failed", error=str(exc))
+        status = 503 if isinstance(exc, NoCapacity) else 500
+        await resp.write(b"data: " + json.dumps(error_json(f"generation failed: {exc}", status)).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response(
+        {"object": "list", "data": [{"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0}]}
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    serving = node.serves()
+    return web.json_response({"ok": serving, "node": node.node_id}, status=200 if serving else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE].status())
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/status", status)

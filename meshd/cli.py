@@ -1,0 +1,191 @@
+"""The ``meshd`` command: run a daemon, manage models, run a local demo mesh."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import structlog
+
+from meshd.config import DEVICES, DTYPES, Config, build_config
+from meshd.errors import ConfigError, MeshError
+from meshd.logs import setup_logging
+
+log = structlog.get_logger()
+
+DEFAULT_CONFIG = Path("/etc/meshd/meshd.toml")
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", type=Path, help="where models, the node id and the secret live")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="meshd", description="A peer-to-peer inference mesh for home labs.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon")
+    run.add_argument("--config", type=Path, help=f"TOML file (default {DEFAULT_CONFIG} if it exists)")
+    run.add_argument("--name", help="this peer's name (default: the host name)")
+    run.add_argument("--host", help="address to bind the API and peer links (default 0.0.0.0)")
+    run.add_argument("--port", type=int, help="TCP port (default 8470)")
+    run.add_argument("--mesh", help="mesh name; peers of other meshes are ignored")
+    run.add_argument("--secret-file", type=Path, help="file holding the mesh secret")
+    run.add_argument("--model", help="model name (in the state dir) or model directory")
+    _add_state_dir(run)
+    run.add_argument("--device", choices=DEVICES)
+    run.add_argument("--dtype", choices=DTYPES)
+    run.add_argument("--mdns-interface", action="append", default=[], metavar="ADDR",
+                     help="local address to run mDNS on (repeatable; default: real interfaces)")
+    run.add_argument("--no-mdns", dest="mdns", action="store_const", const=False, help="no mDNS; static peers only")
+    run.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="static peer (repeatable)")
+    run.add_argument("--advertise-vram", type=int, metavar="BYTES", help="VRAM to advertise instead of the detected")
+    run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
+    run.add_argument("--heartbeat-s", type=float)
+    run.add_argument("--missed-beats", type=int)
+    run.add_argument("--log-level")
+
+    model = sub.add_parser("model", help="fetch, convert and list models")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    fetch = msub.add_parser("fetch", help="obtain a known model (smollm2-135m)")
+    fetch.add_argument("name")
+    _add_state_dir(fetch)
+    convert = msub.add_parser("convert", help="convert a GGUF file or a Hugging Face directory into shards")
+    convert.add_argument("src", type=Path)
+    convert.add_argument("--out", type=Path, required=True)
+    convert.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "auto"])
+    convert.add_argument("--name", help="model name (default: from the source)")
+    lst = msub.add_parser("list", help="models in the state dir")
+    _add_state_dir(lst)
+
+    demo = sub.add_parser("demo", help="a local mesh of N daemons on 127.0.0.1, one completion, then status")
+    demo.add_argument("--peers", type=int, default=3)
+    demo.add_argument("--model", default="smollm2-135m")
+    demo.add_argument("--prompt", default="The capital of France is")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--base-port", type=int, default=0, help="first port (default: free ports)")
+    _add_state_dir(demo)
+
+    cfg = sub.add_parser("config", help="configuration")
+    csub = cfg.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="print the effective configuration (no secret)")
+    show.add_argument("--config", type=Path)
+    return top
+
+
+def _config_file(arg: Path | None) -> Path | None:
+    if arg is not None:
+        return arg
+    if env := os.environ.get("MESHD_CONFIG"):
+        return Path(env)
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
+def _flags(args: argparse.Namespace) -> dict:
+    skip = {"command", "config"}
+    out = {k: v for k, v in vars(args).items() if k not in skip}
+    out["mdns_interface"] = tuple(out.pop("mdns_interface", []) or ())
+    out["peer"] = tuple(out.get("peer") or ())
+    return out
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    return build_config(flags={"state_dir": args.state_dir}).state_dir
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = build_config(_config_file(args.config), flags=_flags(args))
+    setup_logging(config.log_level)
+    from meshd.node import Node
+    from meshd.notify import Notifier
+
+    node = Node(config)
+    notifier = Notifier.from_env()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal(sig: int) -> None:
+            nonlocal signals
+            signals += 1
+            if signals > 1:
+                log.warning("forced_exit", signal=signal.Signals(sig).name)
+                os._exit(130)
+            log.info("signal_received", signal=signal.Signals(sig).name)
+            notifier.stopping()
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await node.run(stop, on_ready=notifier.ready, watchdog=notifier.watchdog)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    setup_logging()
+    from shards.convert import convert
+    from shards.fetch import fetch_default, list_models
+
+    if args.model_command == "fetch":
+        path = fetch_default(_state_dir(args), args.name)
+        print(path)
+    elif args.model_command == "convert":
+        path = convert(args.src, args.out, dtype=args.dtype, name=args.name)
+        print(path)
+    else:
+        for m in list_models(_state_dir(args)):
+            print(f"{m.name}\t{m.n_layers} layers\t{m.dtype}\t{sum(e.size for e in m.files.values())} bytes")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import json
+
+    config = build_config(_config_file(args.config))
+    shown = config.redacted()
+    shown["secret"] = f"<{'set' if config.secret_path.exists() else 'unset'}, in {config.secret_path}>"
+    print(json.dumps(shown, indent=2))
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        match args.command:
+            case "run":
+                return cmd_run(args)
+            case "model":
+                return cmd_model(args)
+            case "demo":
+                from meshd.demo import run_demo
+
+                setup_logging()
+                return run_demo(args)
+            case "config":
+                return cmd_config(args)
+    except ConfigError as exc:
+        print(f"meshd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except MeshError as exc:
+        print(f"meshd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""What this box offers: device, memory, and a short speed probe for placement."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def total_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return total_ram() // 2
+
+
+def detect_vram(device: str) -> int:
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return 0
+
+
+def memory_budget(device: str, configured: int | None) -> int:
+    """Bytes this peer offers for layers: the configured figure, else most of what is free."""
+    if configured is not None:
+        return configured
+    if device == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info()
+        return int(free * 0.9)
+    return int(available_ram() * 0.7)
+
+
+def speed_probe(device: str, hidden: int = 576, intermediate: int = 1536, repeats: int = 20) -> float:
+    """Milliseconds for the matmuls of one reference-sized Llama layer at batch 1.
+
+    Placement needs only relative speed, so a fixed reference layer serves every
+    model and a peer can report it before it has any weights.
+    """
+    dev = torch.device(device)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    x = torch.randn(1, hidden, device=dev, dtype=dtype)
+    qkvo = torch.randn(hidden, hidden * 2, device=dev, dtype=dtype)
+    up = torch.randn(hidden, intermediate * 2, device=dev, dtype=dtype)
+    down = torch.randn(intermediate, hidden, device=dev, dtype=dtype)
+
+    def layer() -> torch.Tensor:
+        h = x @ qkvo
+        g = x @ up
+        return (g[:, :intermediate] @ down) + h[:, :hidden]
+
+    with torch.inference_mode():
+        for _ in range(3):
+            layer()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            layer()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1000.0 / repeats

@@ -1,0 +1,463 @@
+"""The node: one per daemon. It owns the HTTP server, the discovery, the peer
+links and every long-lived task (inside one TaskGroup), and holds what this
+peer knows of the mesh: who is supernode, under which term, with which plan.
+
+The supernode's side of negotiation lives in ``meshd.leader``, a stage's side
+(plans, loading a span, serving forwards) in ``meshd.stage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from meshd import api, leader, stage
+from meshd.config import Config
+from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen
+from meshd.election import elect
+from meshd.errors import AuthError, NoCapacity, ProtocolError
+from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
+from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, handshake
+from meshd.pipeline import Pipeline
+from meshd.placement import Candidate
+from meshd.scheduler import Scheduler
+from meshd.transfer import AUTH_HEADER, check_files_token, serve_file
+from protocol.messages import PROTOCOL_VERSION, Bye, Capabilities, Message, NodeId, Plan
+from shards.engine import StageEngine
+from shards.fetch import list_models
+from shards.manifest import MANIFEST_FILE, Manifest
+from shards.tokenizer import MeshTokenizer
+
+log = structlog.get_logger()
+
+LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
+
+
+def load_node_id(state_dir: Path) -> NodeId:
+    """A node id that survives restarts, so a peer that comes back is known again."""
+    path = state_dir / "node-id"
+    if path.exists():
+        return NodeId(path.read_text().strip())
+    state_dir.mkdir(parents=True, exist_ok=True)
+    node_id = secrets.token_hex(6)
+    path.write_text(node_id + "\n")
+    return NodeId(node_id)
+
+
+def url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+@dataclass(slots=True)
+class LostPeer:
+    hello: object
+    addr: str
+    since: float
+    reason: str
+
+
+class Node:
+    def __init__(self, config: Config):
+        self.config = config
+        self.secret = config.load_secret()
+        self.node_id = load_node_id(config.state_dir)
+        self.device = pick_device(config.device)
+        self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret)
+        self.links: dict[NodeId, Link] = {}
+        self.lost: dict[NodeId, LostPeer] = {}
+        self.adverts: dict[NodeId, Advert] = {}
+        self.term = 0
+        self.supernode: NodeId | None = None
+        self.plan: Plan | None = None  # the active plan as this peer knows it
+        self.engine: StageEngine | None = None
+        self.engine_key: tuple | None = None
+        self.tokenizer = None
+        self.pending_plan: Plan | None = None  # the latest plan received, while it loads
+        self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
+        self.pending_replies: dict[NodeId, asyncio.Future] = {}  # supernode: Accept/Reject per peer
+        self.model_dir, self.manifest = self._local_model()
+        self.pipeline = Pipeline(lambda: self.engine)
+        self.scheduler = Scheduler(self.pipeline, None)
+        self.unavailable = "starting"
+        self.started = time.time()
+        self.http: aiohttp.ClientSession | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._view_changed = asyncio.Event()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._lead_task: asyncio.Task | None = None
+        self._dialing: set[str] = set()
+        self._dial_after: dict[str, float] = {}
+        self.caps = self._capabilities()
+
+    # -- identity ------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        if self.manifest is not None:
+            return self.manifest.name
+        return Path(self.config.model).name
+
+    def _local_model(self) -> tuple[Path | None, Manifest | None]:
+        model = self.config.model
+        path = Path(model).expanduser()
+        if not (path.is_absolute() or model.startswith(".") or "/" in model):
+            path = self.config.state_dir / "models" / model
+        if (path / MANIFEST_FILE).is_file():
+            return path, Manifest.load(path)
+        return path if path.is_absolute() or "/" in model else None, None
+
+    def _capabilities(self) -> Capabilities:
+        vram = self.config.advertise_vram
+        if vram is None:
+            vram = detect_vram(self.device)
+        models = {m.name for m in list_models(self.config.state_dir)}
+        if self.manifest is not None:
+            models.add(self.manifest.name)
+        return Capabilities(
+            vram=vram,
+            ram=total_ram(),
+            device=self.device,
+            api_port=self.config.port,
+            mem_budget=memory_budget(self.device, self.config.mem_budget),
+            layer_ms=round(speed_probe(self.device), 4),
+            models=tuple(sorted(models)),
+        )
+
+    def candidate(self, node_id: NodeId, caps: Capabilities) -> Candidate:
+        return Candidate(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
+
+    def candidates(self) -> list[Candidate]:
+        """This peer's view: itself plus every live, authenticated link."""
+        view = [self.candidate(self.node_id, self.caps)]
+        view += [self.candidate(pid, link.caps) for pid, link in self.links.items() if link.alive]
+        return view
+
+    @property
+    def is_supernode(self) -> bool:
+        return self.supernode == self.node_id
+
+    def serves(self) -> bool:
+        if self.is_supernode:
+            return self.pipeline.plan is not None
+        return self.plan is not None and self.supernode in self.links
+
+    def serving_parts(self):
+        if self.tokenizer is None or self.manifest is None or self.pipeline.plan is None:
+            return None
+        return self.tokenizer, self.manifest.config.max_position
+
+    def unavailable_reason(self) -> str:
+        return self.unavailable
+
+    # -- running -------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[api.errors_middleware])
+        app[api.NODE] = self
+        api.add_routes(app)
+        app.router.add_get("/mesh/ws", self._ws_handler)
+        app.router.add_get("/mesh/files/{model}/{name}", self._files_handler)
+        return app
+
+    async def run(self, stop: asyncio.Event, on_ready=None, watchdog=None) -> None:
+        """Serve until ``stop`` is set, then shut down in order."""
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5))
+        runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        await site.start()
+        log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
+                 port=self.config.port, device=self.device, vram=self.caps.vram, model=self.model_name,
+                 has_model=self.manifest is not None)
+        discovery = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                if self.config.mdns:
+                    discovery = Discovery(self._advert(), self._events, list(self.config.mdns_interface) or None)
+                    await discovery.start()
+                    tg.create_task(self._discovery_loop())
+                tg.create_task(self._election_loop())
+                tg.create_task(self._heartbeat_loop())
+                tg.create_task(self._connect_loop())
+                if on_ready is not None:
+                    tg.create_task(self._notify_ready(on_ready))
+                if watchdog is not None:
+                    tg.create_task(watchdog())
+                self._view_changed.set()
+                await stop.wait()
+                log.info("node_stopping")
+                if discovery is not None:  # stop announcing first
+                    await discovery.close()
+                    discovery = None
+                await self._drain()
+                for link in list(self.links.values()):
+                    with contextlib.suppress(Exception):
+                        await link.send(Bye("shutting down"))
+                raise _Stopped
+        except* _Stopped:
+            pass
+        finally:
+            if discovery is not None:
+                await discovery.close()
+            for link in list(self.links.values()):
+                await link.close("node stopped")
+            await runner.cleanup()
+            await self.http.close()
+            if self.engine is not None:
+                self.engine.close()
+            log.info("node_stopped")
+
+    async def _drain(self) -> None:
+        """Let in-flight sessions finish, within the drain timeout."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.scheduler.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.scheduler.active:
+            log.warning("drain_timeout", sessions=len(self.scheduler.active))
+
+    async def _notify_ready(self, on_ready) -> None:
+        while not self.serves():
+            await asyncio.sleep(0.1)
+        on_ready()
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A task owned by the node's group (per-message work of the read loops)."""
+        assert self._tg is not None
+        return self._tg.create_task(coro)
+
+    # -- discovery and dialing -----------------------------------------------------
+
+    def _advert(self) -> Advert:
+        return Advert(self.node_id, self.config.name, self.config.mesh, PROTOCOL_VERSION, "", self.config.port,
+                      self.caps.vram, self.caps.ram, self.device)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            event = await self._events.get()
+            match event:
+                case PeerSeen(advert=advert):
+                    self.adverts[advert.node_id] = advert
+                case PeerGone(node_id=node_id):
+                    self.adverts.pop(node_id, None)
+                    link = self.links.get(node_id)
+                    if link is not None:  # mDNS says gone: confirm with a ping, the heartbeat decides
+                        with contextlib.suppress(Exception):
+                            await link.call_ping()
+
+    def _dial_targets(self) -> list[tuple[str, str, int]]:
+        targets = []
+        linked_addrs = {(link.addr, link.caps.api_port) for link in self.links.values() if link.alive}
+        for advert in self.adverts.values():
+            # One link per pair: the peer with the smaller id dials.
+            if advert.node_id not in self.links and self.node_id < advert.node_id:
+                targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port))
+        for addr in self.config.peer:
+            host, _, port = addr.rpartition(":")
+            if (host, int(port)) not in linked_addrs:
+                targets.append((addr, host, int(port)))
+        return targets
+
+    async def _connect_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for key, host, port in self._dial_targets():
+                if key in self._dialing or self._dial_after.get(key, 0) > now:
+                    continue
+                self._dialing.add(key)
+                self.spawn(self._dial(key, host, port))
+            await asyncio.sleep(0.5)
+
+    async def _dial(self, key: str, host: str, port: int) -> None:
+        url = f"ws://{url_host(host)}:{port}/mesh/ws"
+        try:
+            try:
+                ws = await self.http.ws_connect(
+                    url, max_msg_size=self.config.max_frame_bytes, compress=0, autoping=True,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
+                )
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                self._backoff(key)
+                log.debug("dial_failed", url=url, error=str(exc))
+                return
+            try:
+                hello = await handshake(ws, self.identity, self.caps)
+            except (AuthError, ProtocolError) as exc:
+                self._backoff(key, refused=True)
+                log.warning("peer_refused", addr=f"{host}:{port}", reason=str(exc))
+                await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())
+                return
+            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                self._backoff(key)
+                log.info("handshake_failed", addr=f"{host}:{port}", reason=str(exc))
+                await ws.close()
+                return
+            self._dial_after.pop(key, None)
+            await self._serve_link(Link(ws, hello, host, True, self.config.max_frame_bytes))
+        finally:
+            self._dialing.discard(key)
+
+    def _backoff(self, key: str, refused: bool = False) -> None:
+        wait = 10.0 if refused else 1.0
+        self._dial_after[key] = time.monotonic() + wait
+
+    async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, compress=False, autoping=True)
+        await ws.prepare(request)
+        try:
+            hello = await handshake(ws, self.identity, self.caps)
+        except (AuthError, ProtocolError) as exc:
+            log.warning("peer_refused", addr=request.remote, reason=str(exc))
+            await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())
+            return ws
+        except (ConnectionError, TimeoutError) as exc:
+            log.info("handshake_failed", addr=request.remote, reason=str(exc))
+            return ws
+        await self._serve_link(Link(ws, hello, request.remote or "", False, self.config.max_frame_bytes))
+        return ws
+
+    async def _serve_link(self, link: Link) -> None:
+        if not self._register(link):
+            await link.close("duplicate link", CLOSE_DUPLICATE)
+            return
+        try:
+            await link.read_loop(self._handle)
+        finally:
+            self._unregister(link)
+
+    def _preferred(self, link: Link) -> bool:
+        """Of two links to one peer, keep the one the smaller id dialed."""
+        return link.dialed == (self.node_id < link.peer_id)
+
+    def _register(self, link: Link) -> bool:
+        old = self.links.get(link.peer_id)
+        if old is not None and old.alive and self._preferred(old) and not self._preferred(link):
+            return False
+        self.links[link.peer_id] = link
+        self.lost.pop(link.peer_id, None)
+        if old is not None and old.alive:
+            self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
+        log.info("peer_joined", peer=link.peer_id, name=link.hello.name, addr=link.addr,
+                 device=link.caps.device, vram=link.caps.vram)
+        self._view_changed.set()
+        return True
+
+    def _unregister(self, link: Link) -> None:
+        if self.links.get(link.peer_id) is not link:
+            return
+        del self.links[link.peer_id]
+        self.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
+        log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
+        self._view_changed.set()
+
+    async def _heartbeat_loop(self) -> None:
+        """Ping every link each beat; a link silent for ``missed_beats`` beats is lost
+        (a hung or partitioned peer sends no close)."""
+        beat = self.config.heartbeat_s
+        limit = beat * self.config.missed_beats
+        while True:
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                if now - link.last_heard > limit:
+                    self.spawn(link.close(f"missed {self.config.missed_beats} heartbeats"))
+                else:
+                    self.spawn(self._ping(link))
+            for pid in [p for p, lost in self.lost.items() if time.time() - lost.since > LOST_SHOWN_S]:
+                del self.lost[pid]
+            await asyncio.sleep(beat)
+
+    async def _ping(self, link: Link) -> None:
+        with contextlib.suppress(Exception):
+            await link.call_ping()
+
+    # -- messages ------------------------------------------------------------------
+
+    async def _handle(self, link: Link, msg: Message) -> None:
+        """Everything the link's read loop does not settle itself; nothing here may
+        block the read loop, so work goes to tasks."""
+        await stage.handle(self, link, msg)
+
+    # -- election --------------------------------------------------------------------
+
+    async def _election_loop(self) -> None:
+        while True:
+            await self._view_changed.wait()
+            # Settle: peers that start together should produce one plan, not one each.
+            while True:
+                self._view_changed.clear()
+                try:
+                    await asyncio.wait_for(self._view_changed.wait(), self.config.settle_s)
+                except TimeoutError:
+                    break
+            self._reelect()
+
+    def _reelect(self) -> None:
+        winner = elect(self.candidates())
+        if self._lead_task is not None and not self._lead_task.done():
+            self._lead_task.cancel()
+        if winner == self.node_id:
+            self.supernode = self.node_id
+            self._lead_task = self.spawn(leader.lead(self))
+        else:
+            if self.supernode == self.node_id:
+                log.info("supernode_yields", to=winner)
+                self.spawn(self.pipeline.set_plan(None, f"supernode moved to {winner}"))
+            self.supernode = winner
+            self.unavailable = f"waiting for a plan from {winner}"
+
+    # -- plans and models ----------------------------------------------------------
+
+    def activate(self, plan: Plan, engine: StageEngine | None) -> None:
+        """Make ``plan`` this peer's active plan, with ``engine`` for its part."""
+        self.plan = plan
+        self.supernode = plan.supernode
+        if engine is not self.engine:
+            old, self.engine = self.engine, engine
+            if old is not None:
+                old.close()
+
+    def adopt_model(self, model_dir: Path, manifest: Manifest) -> None:
+        self.model_dir, self.manifest = model_dir, manifest
+
+    def tokenizer_for(self, model_dir: Path) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = MeshTokenizer.load(model_dir)
+            self.scheduler.tokenizer = self.tokenizer
+
+    # -- files and status ----------------------------------------------------------
+
+    async def _files_handler(self, request: web.Request) -> web.FileResponse:
+        check_files_token(self.secret, request.headers.get(AUTH_HEADER, ""), request.path)
+        return serve_file(self.model_dir, self.manifest, request.match_info["model"], request.match_info["name"])
+
+    def status(self) -> dict:
+        from meshd.status import build_status
+
+        return build_status(self)
+
+    async def proxy_completion(self, request: web.Request, body) -> web.StreamResponse:
+        """Forward a client's request to the supernode and stream its answer back."""
+        link = self.links.get(self.supernode) if self.supernode else None
+        if link is None or not link.alive:
+            raise NoCapacity(f"no link to the supernode ({self.unavailable})")
+        url = f"http://{url_host(link.addr)}:{link.caps.api_port}{request.path}"
+        async with self.http.post(url, json=body) as upstream:
+            resp = web.StreamResponse(status=upstream.status)
+            resp.content_type = upstream.content_type
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+
+class _Stopped(Exception):
+    """Raised inside the node's TaskGroup to end every task at shutdown."""

@@ -1,0 +1,238 @@
+"""Peer links: one authenticated WebSocket per pair of peers at /mesh/ws.
+
+Handshake: both sides send Hello (version, node id, mesh, a fresh nonce,
+capabilities), then each proves it holds the mesh secret with
+HMAC-SHA256(secret, tag | peer's nonce | sender id | receiver id). A link that
+fails is closed with a reason and never sees a model frame. The read loop here
+is one of the three places errors are caught: a ProtocolError closes this one
+link, with its reason, and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import aiohttp
+import structlog
+import torch
+from aiohttp import WSMsgType, web
+
+from meshd.errors import AuthError, PeerLost, ProtocolError
+from protocol.codec import decode, encode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Auth,
+    Bye,
+    Drop,
+    Fail,
+    Forward,
+    Hello,
+    Message,
+    NodeId,
+    Ping,
+    Pong,
+    Result,
+)
+
+log = structlog.get_logger()
+
+AUTH_TAG = b"meshd-auth-v1"
+HANDSHAKE_TIMEOUT_S = 5.0
+# WebSocket close codes in the private range, so a peer's log says why.
+CLOSE_AUTH = 4001
+CLOSE_PROTOCOL = 4002
+CLOSE_DUPLICATE = 4003
+CLOSE_LOST = 4004
+CLOSE_BYE = 4005
+
+
+class LinkState(Enum):
+    READY = "ready"
+    CLOSED = "closed"
+
+
+def auth_mac(secret: bytes, nonce: bytes, sender: str, receiver: str) -> bytes:
+    msg = AUTH_TAG + b"|" + nonce + b"|" + sender.encode() + b"|" + receiver.encode()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalIdentity:
+    node_id: NodeId
+    name: str
+    mesh: str
+    secret: bytes
+
+    def hello(self, caps) -> Hello:
+        return Hello(PROTOCOL_VERSION, self.node_id, self.mesh, self.name, os.urandom(16), caps)
+
+
+WS = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+async def _receive(ws: WS, timeout: float) -> Message:
+    msg = await ws.receive(timeout=timeout)
+    if msg.type != WSMsgType.BINARY:
+        raise ProtocolError(f"expected a binary frame during the handshake, got {msg.type.name}")
+    return decode(msg.data)
+
+
+async def handshake(ws: WS, me: LocalIdentity, caps) -> Hello:
+    """Run both halves of the handshake; returns the authenticated peer's Hello."""
+    mine = me.hello(caps)
+    await ws.send_bytes(encode(mine))
+    try:
+        theirs = await _receive(ws, HANDSHAKE_TIMEOUT_S)
+        if not isinstance(theirs, Hello):
+            raise ProtocolError(f"expected Hello, got {type(theirs).__name__}")
+        if theirs.version != PROTOCOL_VERSION:
+            raise AuthError(f"protocol version {theirs.version}, this peer speaks {PROTOCOL_VERSION}")
+        if theirs.mesh != me.mesh:
+            raise AuthError(f"mesh {theirs.mesh!r} is not this peer's mesh {me.mesh!r}")
+        if theirs.node_id == me.node_id:
+            raise AuthError("a link to ourselves")
+        if len(theirs.nonce) < 16:
+            raise AuthError("nonce too short")
+        await ws.send_bytes(encode(Auth(auth_mac(me.secret, theirs.nonce, me.node_id, theirs.node_id))))
+        proof = await _receive(ws, HANDSHAKE_TIMEOUT_S)
+    except TimeoutError:
+        raise AuthError("handshake timed out") from None
+    if not isinstance(proof, Auth):
+        raise ProtocolError(f"expected Auth, got {type(proof).__name__}")
+    if not hmac.compare_digest(proof.mac, auth_mac(me.secret, mine.nonce, theirs.node_id, me.node_id)):
+        raise AuthError("authentication failed: wrong mesh secret")
+    return theirs
+
+
+class Link:
+    """An authenticated link to one peer; calls out (``call_*``), and feeds incoming
+    messages to the node's handler."""
+
+    def __init__(self, ws: WS, hello: Hello, addr: str, dialed: bool, max_frame: int):
+        self.ws = ws
+        self.hello = hello
+        self.peer_id: NodeId = hello.node_id
+        self.addr = addr
+        self.dialed = dialed
+        self.max_frame = max_frame
+        self.state = LinkState.READY
+        self.rtt_ms: float | None = None
+        self.last_heard = time.monotonic()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.close_reason = ""
+        self._req = itertools.count(1)
+        self._ping = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._send_lock = asyncio.Lock()
+
+    @property
+    def caps(self):
+        return self.hello.caps
+
+    @property
+    def alive(self) -> bool:
+        return self.state is LinkState.READY
+
+    async def send(self, msg: Message) -> None:
+        if not self.alive:
+            raise PeerLost(f"link to {self.peer_id} is closed: {self.close_reason}")
+        data = encode(msg)
+        try:
+            async with self._send_lock:
+                await self.ws.send_bytes(data)
+        except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
+            await self.close(f"send failed: {exc}", CLOSE_LOST)
+            raise PeerLost(f"send to {self.peer_id} failed: {exc}") from None
+        self.bytes_sent += len(data)
+
+    # -- outgoing calls ------------------------------------------------------
+
+    async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Run ``hidden`` through this peer's span; PeerLost if the link goes first."""
+        req = next(self._req)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[req] = future
+        try:
+            await self.send(Forward(term, session, req, start, hidden))
+            return await future
+        finally:
+            self._pending.pop(req, None)
+
+    async def drop(self, term: int, session: str) -> None:
+        await self.send(Drop(term, session))
+
+    async def call_ping(self) -> None:
+        await self.send(Ping(next(self._ping), time.monotonic()))
+
+    # -- incoming ------------------------------------------------------------
+
+    async def read_loop(self, handle: Callable[[Link, Message], Awaitable[None]]) -> None:
+        """Decode frames until the socket closes; Result/Fail/Pong are settled here,
+        everything else goes to ``handle`` (which must not block on torch)."""
+        try:
+            async for frame in self.ws:
+                if frame.type != WSMsgType.BINARY:
+                    if frame.type == WSMsgType.ERROR:
+                        raise PeerLost(f"socket error: {self.ws.exception()}")
+                    raise ProtocolError(f"unexpected {frame.type.name} frame")
+                self.last_heard = time.monotonic()
+                self.bytes_received += len(frame.data)
+                msg = decode(frame.data, max_size=self.max_frame)
+                match msg:
+                    case Ping(seq=seq, sent=sent):
+                        await self.send(Pong(seq, sent))
+                    case Pong(sent=sent):
+                        self.rtt_ms = (time.monotonic() - sent) * 1000.0
+                    case Result(req=req, hidden=hidden):
+                        self._settle(req, hidden)
+                    case Fail(req=req, reason=reason):
+                        self._settle(req, PeerLost(f"{self.peer_id} failed the step: {reason}"))
+                    case Bye(reason=reason):
+                        await self.close(f"peer left: {reason}", CLOSE_BYE)
+                    case _:
+                        await handle(self, msg)
+            await self.close(f"socket closed ({self.ws.close_code})", CLOSE_LOST)
+        except ProtocolError as exc:
+            log.warning("link_protocol_error", peer=self.peer_id, reason=str(exc))
+            await self.close(f"protocol error: {exc}", CLOSE_PROTOCOL)
+        except PeerLost as exc:
+            await self.close(str(exc), CLOSE_LOST)
+        except (ConnectionError, aiohttp.ClientError) as exc:
+            await self.close(f"connection error: {exc}", CLOSE_LOST)
+        finally:
+            if self.alive:
+                await self.close("read loop ended", CLOSE_LOST)
+
+    def _settle(self, req: int, value) -> None:
+        future = self._pending.get(req)
+        if future is None or future.done():
+            log.debug("result_unmatched", peer=self.peer_id, req=req)
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    async def close(self, reason: str, code: int = CLOSE_LOST) -> None:
+        if self.state is LinkState.CLOSED:
+            return
+        self.state = LinkState.CLOSED
+        self.close_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerLost(f"{self.peer_id}: {reason}"))
+        self._pending.clear()
+        log.info("link_closed", peer=self.peer_id, reason=reason)
+        try:
+            await asyncio.wait_for(self.ws.close(code=code, message=reason[:120].encode()), 1.0)
+        except (TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
+            pass  # the other side is gone or hung; the socket is dropped either way

@@ -1,0 +1,219 @@
+"""A peer's side of the mesh: follow the supernode's plans, load (and if need be
+fetch) the span it is given, and run Forward frames through it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import structlog
+import torch
+
+from meshd.election import elect
+from meshd.errors import MeshError, PeerLost, ProtocolError, ShardMissing
+from meshd.placement import validate
+from meshd.transfer import fetch_files, fetch_manifest, missing_files
+from protocol.messages import (
+    Accept,
+    Auth,
+    Commit,
+    Drop,
+    Fail,
+    Forward,
+    Hello,
+    Message,
+    NodeId,
+    Plan,
+    Reject,
+    Result,
+)
+from shards.engine import StageEngine
+from shards.manifest import MANIFEST_FILE, Manifest
+from shards.span import Span
+
+if TYPE_CHECKING:
+    from meshd.node import Node
+    from meshd.peers import Link
+
+log = structlog.get_logger()
+
+NOT_MY_SUPERNODE = "not my supernode"
+STALE_TERM = re.compile(r"stale term: this peer is at term (\d+)")
+
+
+class LocalRunner:
+    """The supernode's own span, behind the same interface as a peer link."""
+
+    def __init__(self, engine: StageEngine):
+        self.engine = engine
+
+    async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
+        return await self.engine.forward(session, start, hidden.to(self.engine.device, self.engine.dtype))
+
+    async def drop(self, term: int, session: str) -> None:
+        self.engine.drop(session)
+
+
+async def handle(node: Node, link: Link, msg: Message) -> None:
+    match msg:
+        case Plan():
+            node.spawn(on_plan(node, link, msg))
+        case Accept() | Reject():
+            from meshd import leader
+
+            if isinstance(msg, Reject) and (m := STALE_TERM.search(msg.reason)):
+                node.term = max(node.term, int(m.group(1)))
+            leader.on_reply(node, link.peer_id, msg)
+        case Commit():
+            on_commit(node, link, msg)
+        case Forward():
+            node.spawn(serve_forward(node, link, msg))
+        case Drop(session=session):
+            if node.engine is not None:
+                node.engine.drop(session)
+        case Hello() | Auth():
+            raise ProtocolError(f"{type(msg).__name__} after the handshake")
+        case _:
+            raise ProtocolError(f"unexpected {type(msg).__name__}")
+
+
+async def _reply(link: Link, msg: Message) -> None:
+    with contextlib.suppress(PeerLost):
+        await link.send(msg)
+
+
+async def on_plan(node: Node, link: Link, plan: Plan) -> None:
+    sender = link.peer_id
+    expected = elect(node.candidates())
+    if plan.supernode != sender or expected != sender:
+        await _reply(link, Reject(plan.term, f"{NOT_MY_SUPERNODE} (this peer holds {expected})"))
+        return
+    if plan.term < node.term:
+        await _reply(link, Reject(plan.term, f"stale term: this peer is at term {node.term}"))
+        return
+    node.term = plan.term
+    node.supernode = sender
+    node.pending_plan = plan
+    mine = next((a.span for a in plan.assignments if a.node == node.node_id), None)
+    log.info("plan_received", term=plan.term, supernode=sender, span=str(mine) if mine else None)
+    engine = None
+    if mine is not None:
+        try:
+            manifest, model_dir = await prepare_model(node, plan.model, plan.sources, plan.manifest_digest)
+            validate(plan.assignments, manifest.n_layers)
+            engine = await load_engine(node, manifest, model_dir, mine, embed=False, head=False, sources=plan.sources)
+        except (MeshError, OSError, aiohttp.ClientError) as exc:
+            log.warning("plan_load_failed", term=plan.term, error=str(exc))
+            await _reply(link, Reject(plan.term, f"cannot load {mine}: {exc}", node.caps.mem_budget))
+            return
+    if node.pending_plan is not plan:
+        return  # a newer plan came while this one loaded
+    node.prepared = (plan, engine)
+    if mine is not None:
+        await _reply(link, Accept(plan.term, mine))
+
+
+def on_commit(node: Node, link: Link, commit: Commit) -> None:
+    prepared = node.prepared
+    if prepared is None or prepared[0].term != commit.term or prepared[0].supernode != link.peer_id:
+        log.warning("commit_ignored", term=commit.term, peer=link.peer_id)
+        return
+    node.prepared = None
+    node.activate(*prepared)
+    log.info("plan_active", term=commit.term, supernode=link.peer_id)
+
+
+async def serve_forward(node: Node, link: Link, msg: Forward) -> None:
+    plan, engine = node.plan, node.engine
+    if plan is None or msg.term != plan.term or link.peer_id != plan.supernode or engine is None:
+        log.warning("stale_frame_dropped", peer=link.peer_id, term=msg.term, mine=plan.term if plan else None)
+        await _reply(link, Fail(msg.term, msg.req, f"stale or unknown term {msg.term}"))
+        return
+    try:
+        out = await engine.forward(msg.session, msg.start, msg.hidden.to(engine.device, engine.dtype))
+    except MeshError as exc:
+        log.warning("forward_failed", session=msg.session, error=str(exc))
+        await _reply(link, Fail(msg.term, msg.req, str(exc)))
+        return
+    await _reply(link, Result(msg.term, msg.session, msg.req, out))
+
+
+# -- model files -------------------------------------------------------------------
+
+
+def _source_urls(node: Node, sources) -> list[tuple[NodeId, str]]:
+    from meshd.node import url_host
+
+    out = []
+    for pid in sources:
+        link = node.links.get(pid)
+        if pid != node.node_id and link is not None and link.alive:
+            out.append((pid, f"http://{url_host(link.addr)}:{link.caps.api_port}"))
+    return out
+
+
+async def prepare_model(node: Node, name: str, sources, digest: str | None = None) -> tuple[Manifest, Path]:
+    """The manifest and directory of model ``name`` (with ``digest`` if given):
+    this peer's own copy, else one fetched earlier, else the manifest fetched
+    from a source peer (the shard files follow per span in ``load_engine``)."""
+    def fits(m: Manifest | None) -> bool:
+        return m is not None and m.name == name and (digest is None or m.digest == digest)
+
+    if fits(node.manifest):
+        return node.manifest, node.model_dir
+    store = node.config.state_dir / "models" / name
+    if (store / MANIFEST_FILE).is_file():
+        m = Manifest.load(store)
+        if fits(m):
+            node.adopt_model(store, m)
+            return m, store
+    for pid, base in _source_urls(node, sources):
+        try:
+            m = await fetch_manifest(node.http, base, node.secret, node.node_id, name)
+        except (MeshError, OSError, aiohttp.ClientError) as exc:
+            log.warning("manifest_fetch_failed", source=pid, error=str(exc))
+            continue
+        if not fits(m):
+            continue
+        store.mkdir(parents=True, exist_ok=True)
+        (store / MANIFEST_FILE).write_bytes(m.to_bytes())
+        node.adopt_model(store, m)
+        log.info("manifest_fetched", model=name, source=pid)
+        return m, store
+    raise ShardMissing(f"model {name!r} is not here and no peer offered it (run `meshd model fetch {name}`)")
+
+
+async def load_engine(node: Node, manifest: Manifest, model_dir: Path, span: Span | None, *, embed: bool,
+                      head: bool, sources=()) -> StageEngine:
+    """An engine for these parts: the current one if it already is, else loaded
+    (after fetching exactly the missing shard files) on a worker thread."""
+    key = (manifest.digest, span, embed, head)
+    if node.engine is not None and getattr(node.engine, "meshd_key", None) == key:
+        return node.engine
+    names = manifest.files_for(span, embed or head)
+    missing = missing_files(model_dir, manifest, names)
+    if missing:
+        await _fetch(node, manifest, model_dir, missing, sources)
+    engine = await asyncio.to_thread(
+        StageEngine.load, model_dir, span, embed, head, node.config.device, node.config.dtype
+    )
+    engine.meshd_key = key
+    return engine
+
+
+async def _fetch(node: Node, manifest: Manifest, model_dir: Path, names: list[str], sources) -> None:
+    errors = []
+    for pid, base in _source_urls(node, sources):
+        log.info("shard_fetch_started", source=pid, files=len(names),
+                 bytes=sum(manifest.files[n].size for n in names))
+        try:
+            await fetch_files(node.http, base, node.secret, node.node_id, manifest, names, model_dir)
+            return
+        except (MeshError, OSError, aiohttp.ClientError) as exc:
+            errors.append(f"{pid}: {exc}")
+            log.warning("shard_fetch_failed", source=pid, error=str(exc))
+    raise ShardMissing(f"could not fetch {len(names)} shard files: " + ("; ".join(errors) or "no source peer"))
