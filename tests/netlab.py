@@ -43,13 +43,14 @@ def _sysctl(ns: str | None, key: str, value: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Exists and is not a zombie (a zombie has exited; only its parent's wait is missing)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
         return True
-    return True
 
 
 def _kill_pids(pids: list[int], timeout: float = 3.0) -> None:
@@ -213,11 +214,10 @@ class Lab:
 
     def close(self) -> None:
         """Kill what the lab started (by pid), then delete its namespaces and links."""
-        live = [p for p in self.procs if p.poll() is None]
-        _kill_pids([p.pid for p in live])
+        _kill_pids([p.pid for p in self.procs if p.poll() is None])
         for p in self.procs:
             try:
-                p.wait(timeout=1)
+                p.wait(timeout=1)  # reap; _kill_pids already SIGKILLed any holdout
             except subprocess.TimeoutExpired:
                 pass
         for ns in self._namespaces:

@@ -311,3 +311,27 @@ def test_loopback_mode_sends_nothing_on_a_real_nic(lab, probes):
     heard = json.loads(out or b"{}")
     assert heard.get(loud.addr, 0) > 0, (heard, err)
     assert heard.get(quiet.addr) == 0, heard
+
+
+def test_no_interfaces_falls_back_to_loopback_and_says_so(monkeypatch):
+    from structlog.testing import capture_logs
+
+    import meshd.discovery as discovery
+
+    monkeypatch.setattr(discovery, "default_interfaces", lambda: [])
+    advert = Advert("x", "x", "m", 1, "0.0.0.0", 1, 0, 0, "cpu")
+    with capture_logs() as logs:
+        d = Discovery(advert, asyncio.Queue())
+    assert d.interfaces == ["127.0.0.1"]
+    assert [e["event"] for e in logs] == ["mdns_no_interfaces"] and logs[0]["log_level"] == "warning"
+    assert Discovery(advert, asyncio.Queue(), []).interfaces == ["127.0.0.1"]
+
+
+async def test_an_address_that_is_not_ours_is_a_config_error():
+    from meshd.errors import ConfigError
+
+    d = Discovery(Advert("x", "x", mesh_name("bad"), 1, "0.0.0.0", 1, 0, 0, "cpu"), asyncio.Queue(),
+                  ["198.51.100.7"])  # TEST-NET-2: not an address of this host
+    with pytest.raises(ConfigError):
+        await d.start()
+    await d.close()
