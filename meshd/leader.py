@@ -46,8 +46,11 @@ async def lead(node: Node) -> None:
         term = node.term
         candidates = [c for c in node.candidates() if c.node_id not in excluded]
         alive = {c.node_id for c in candidates}
-        args = dict(supernode=node.node_id, n_layers=manifest.n_layers, layer_bytes=manifest.layer_bytes(0),
-                    head_bytes=manifest.embed_bytes)
+        # Decode is bound by bytes read, so the head costs what its bytes cost in layers.
+        head_ms = node.caps.layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
+        args = dict(supernode=node.node_id, n_layers=manifest.n_layers,
+                    layer_bytes=[manifest.layer_bytes(i) for i in range(manifest.n_layers)],
+                    head_bytes=manifest.embed_bytes, hop_ms=node.hop_ms(), head_ms=head_ms)
         try:
             if node.plan is not None:
                 assignments = replan(node.plan.assignments, alive, candidates, **args)

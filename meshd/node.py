@@ -25,7 +25,7 @@ from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen
 from meshd.election import elect
 from meshd.errors import AuthError, NoCapacity, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
-from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, handshake
+from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
 from meshd.pipeline import Pipeline
 from meshd.placement import Candidate
 from meshd.scheduler import Scheduler
@@ -38,7 +38,8 @@ from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
-LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
+LOST_SHOWN_S = 600.0
+DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
 
 
 def load_node_id(state_dir: Path) -> NodeId:
@@ -131,14 +132,16 @@ class Node:
             models=tuple(sorted(models)),
         )
 
-    def candidate(self, node_id: NodeId, caps: Capabilities) -> Candidate:
-        return Candidate(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
-
     def candidates(self) -> list[Candidate]:
         """This peer's view: itself plus every live, authenticated link."""
-        view = [self.candidate(self.node_id, self.caps)]
-        view += [self.candidate(pid, link.caps) for pid, link in self.links.items() if link.alive]
+        view = [Candidate.from_caps(self.node_id, self.caps)]
+        view += [Candidate.from_caps(pid, link.caps) for pid, link in self.links.items() if link.alive]
         return view
+
+    def hop_ms(self) -> float:
+        """The median measured link RTT, the cost of sending a span off the supernode."""
+        rtts = sorted(link.rtt_ms for link in self.links.values() if link.alive and link.rtt_ms is not None)
+        return rtts[len(rtts) // 2] if rtts else DEFAULT_HOP_MS
 
     @property
     def is_supernode(self) -> bool:
@@ -290,6 +293,10 @@ class Node:
                 return
             try:
                 hello = await handshake(ws, self.identity, self.caps)
+            except SelfLink:
+                self._dial_after[key] = float("inf")  # never again
+                await ws.close()
+                return
             except (AuthError, ProtocolError) as exc:
                 self._backoff(key, refused=True)
                 log.warning("peer_refused", addr=f"{host}:{port}", reason=str(exc))
@@ -314,6 +321,9 @@ class Node:
         await ws.prepare(request)
         try:
             hello = await handshake(ws, self.identity, self.caps)
+        except SelfLink:
+            await ws.close()
+            return ws
         except (AuthError, ProtocolError) as exc:
             log.warning("peer_refused", addr=request.remote, reason=str(exc))
             await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())

@@ -59,6 +59,10 @@ class LinkState(Enum):
     CLOSED = "closed"
 
 
+class SelfLink(AuthError):
+    """The address dialed is this peer itself (a static peer list that names us)."""
+
+
 def auth_mac(secret: bytes, nonce: bytes, sender: str, receiver: str) -> bytes:
     msg = AUTH_TAG + b"|" + nonce + b"|" + sender.encode() + b"|" + receiver.encode()
     return hmac.new(secret, msg, hashlib.sha256).digest()
@@ -98,7 +102,7 @@ async def handshake(ws: WS, me: LocalIdentity, caps) -> Hello:
         if theirs.mesh != me.mesh:
             raise AuthError(f"mesh {theirs.mesh!r} is not this peer's mesh {me.mesh!r}")
         if theirs.node_id == me.node_id:
-            raise AuthError("a link to ourselves")
+            raise SelfLink("a link to ourselves")
         if len(theirs.nonce) < 16:
             raise AuthError("nonce too short")
         await ws.send_bytes(encode(Auth(auth_mac(me.secret, theirs.nonce, me.node_id, theirs.node_id))))

@@ -13,7 +13,7 @@ import aiohttp
 import structlog
 import torch
 
-from meshd.election import elect
+from meshd.election import accepts_plan, elect
 from meshd.errors import MeshError, PeerLost, ProtocolError, ShardMissing
 from meshd.placement import validate
 from meshd.transfer import fetch_files, fetch_manifest, missing_files
@@ -89,10 +89,10 @@ async def _reply(link: Link, msg: Message) -> None:
 async def on_plan(node: Node, link: Link, plan: Plan) -> None:
     sender = link.peer_id
     expected = elect(node.candidates())
-    if plan.supernode != sender or expected != sender:
+    if plan.supernode != sender or not accepts_plan(expected, plan.term, sender, plan.term):
         await _reply(link, Reject(plan.term, f"{NOT_MY_SUPERNODE} (this peer holds {expected})"))
         return
-    if plan.term < node.term:
+    if not accepts_plan(expected, node.term, sender, plan.term):
         await _reply(link, Reject(plan.term, f"stale term: this peer is at term {node.term}"))
         return
     node.term = plan.term
