@@ -163,6 +163,12 @@ class Discovery:
             raise ConfigError(f"another node on the network advertises node id {a.node_id}") from e
         log.info("mdns_started", interfaces=self.interfaces, node=a.node_id, mesh=a.mesh)
 
+    @property
+    def peers(self) -> dict[str, Advert]:
+        """Peers mDNS lists now, by node id. A peer that crashed and came back with the
+        same advert makes no event (its records did not change): redial from here."""
+        return {a.node_id: a for a in self._seen.values()}
+
     async def update(self, advert: Advert) -> None:
         """Re-announce new TXT fields (same node id); peers get PeerSeen again."""
         assert self._zc is not None and advert.node_id == self.advert.node_id
@@ -172,6 +178,8 @@ class Discovery:
 
     def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
                    state_change: ServiceStateChange) -> None:
+        if self._zc is None:  # closing
+            return
         if task := self._resolving.pop(name, None):
             task.cancel()
         if state_change is ServiceStateChange.Removed:
@@ -179,14 +187,13 @@ class Discovery:
             if advert := self._seen.pop(name, None):
                 self._emit(PeerGone(advert.node_id))
             return
-        task = asyncio.get_running_loop().create_task(self._resolve(name))
+        task = asyncio.get_running_loop().create_task(self._resolve(self._zc, name))
         self._resolving[name] = task
         task.add_done_callback(lambda t: self._resolving.get(name) is t and self._resolving.pop(name))
 
-    async def _resolve(self, name: str) -> None:
-        assert self._zc is not None
+    async def _resolve(self, zc: AsyncZeroconf, name: str) -> None:
         info = AsyncServiceInfo(SERVICE_TYPE, name)
-        if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
+        if not await info.async_request(zc.zeroconf, RESOLVE_TIMEOUT_MS):
             log.info("mdns_unresolved", service=name)
             return
         try:
@@ -218,23 +225,23 @@ class Discovery:
             log.error("discovery_queue_full", dropped=repr(event))
 
     async def close(self) -> None:
-        """Goodbye packet first (peers drop us in ~ms), then the sockets."""
-        zc, self._zc = self._zc, None
+        """Goodbye packet first (peers drop us in ~ms), then the browser and sockets.
+        Safe to call twice, and after a failed start."""
+        zc, self._zc = self._zc, None  # from here on, callbacks are ignored
         if zc is None:
             return
-        tasks = list(self._resolving.values())
-        self._resolving.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await zc.async_unregister_all_services()
                 if self._browser is not None:
                     await self._browser.async_cancel()
-                if self._info is not None:
-                    await (await zc.async_unregister_service(self._info))
         except TimeoutError:
             log.warning("mdns_goodbye_timeout", timeout_s=CLOSE_TIMEOUT_S)
         finally:
+            tasks = list(self._resolving.values())
+            self._resolving.clear()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await zc.async_close()
         log.info("mdns_stopped", node=self.advert.node_id)

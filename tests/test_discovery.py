@@ -84,11 +84,13 @@ async def test_in_process_update_and_goodbye_on_loopback():
         await asyncio.gather(a.start(), b.start())
         assert await _next(qa) == PeerSeen(b.advert)
         assert await _next(qb) == PeerSeen(a.advert)
+        assert a.peers == {"ib": b.advert}
         await b.update(Advert("ib", "b", mesh, 1, "127.0.0.1", 9002, 4 << 30, 2, "cuda"))
         seen = await _next(qa)
         assert seen == PeerSeen(b.advert) and seen.advert.vram == 4 << 30
         await b.close()
         assert await _next(qa, 2.0) == PeerGone("ib")
+        assert a.peers == {}
     finally:
         await asyncio.gather(a.close(), b.close())
     assert qa.empty()
