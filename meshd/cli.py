@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--log-level")
+    run.add_argument("--debug-layer-delay-ms", type=float, help=argparse.SUPPRESS)
 
     model = sub.add_parser("model", help="fetch, convert and list models")
     msub = model.add_subparsers(dest="model_command", required=True)

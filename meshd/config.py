@@ -62,6 +62,9 @@ class Config:
     max_body_bytes: int = 1024 * 1024
     max_tokens_limit: int = 4096
     log_level: str = "info"
+    # Testing and benchmarks only: extra milliseconds per layer on every forward,
+    # to simulate a slow box (or to make a generation last long enough to fault).
+    debug_layer_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

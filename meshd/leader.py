@@ -94,7 +94,7 @@ async def lead(node: Node) -> None:
         with contextlib.suppress(PeerLost):
             await link.send(Commit(term))
     node.activate(plan, engine)
-    runners = {a.node: (LocalRunner(engine) if a.node == node.node_id else node.links[a.node])
+    runners = {a.node: (LocalRunner(node, engine) if a.node == node.node_id else node.links[a.node])
                for a in assignments}
     await node.pipeline.set_plan(ActivePlan(term, assignments, runners))
     node.unavailable = ""

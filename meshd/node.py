@@ -92,6 +92,7 @@ class Node:
         self.http: aiohttp.ClientSession | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._view_changed = asyncio.Event()
+        self._loss_pending = False
         self._events: asyncio.Queue = asyncio.Queue()
         self._lead_task: asyncio.Task | None = None
         self._dialing: set[str] = set()
@@ -120,6 +121,8 @@ class Node:
         if vram is None:
             vram = detect_vram(self.device)
         models = {m.name for m in list_models(self.config.state_dir)}
+        # A simulated slow box (debug delay) must look slow to placement too.
+        layer_ms = speed_probe(self.device) + self.config.debug_layer_delay_ms
         if self.manifest is not None:
             models.add(self.manifest.name)
         return Capabilities(
@@ -128,7 +131,7 @@ class Node:
             device=self.device,
             api_port=self.config.port,
             mem_budget=memory_budget(self.device, self.config.mem_budget),
-            layer_ms=round(speed_probe(self.device), 4),
+            layer_ms=round(layer_ms, 4),
             models=tuple(sorted(models)),
         )
 
@@ -366,6 +369,7 @@ class Node:
         del self.links[link.peer_id]
         self.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
         log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
+        self._loss_pending = True
         self._view_changed.set()
 
     async def _heartbeat_loop(self) -> None:
@@ -400,13 +404,15 @@ class Node:
     async def _election_loop(self) -> None:
         while True:
             await self._view_changed.wait()
-            # Settle: peers that start together should produce one plan, not one each.
-            while True:
+            # Settle: peers that start together should produce one plan, not one
+            # each. A loss skips it: requests in flight are waiting on the re-plan.
+            while not self._loss_pending:
                 self._view_changed.clear()
                 try:
                     await asyncio.wait_for(self._view_changed.wait(), self.config.settle_s)
                 except TimeoutError:
                     break
+            self._loss_pending = False
             self._reelect()
 
     def _reelect(self) -> None:

@@ -89,7 +89,7 @@ class Pipeline:
         while True:
             plan = await self._wait_plan(failed_term)
             start = session.cached if session.term == plan.term else 0
-            if start == 0 and session.term is not None:
+            if start == 0 and session.cached:
                 self.replays += 1
                 log.info("session_replay", term=plan.term, tokens=len(session.tokens))
             try:

@@ -45,14 +45,21 @@ NOT_MY_SUPERNODE = "not my supernode"
 STALE_TERM = re.compile(r"stale term: this peer is at term (\d+)")
 
 
+async def run_span(node: Node, engine: StageEngine, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
+    if node.config.debug_layer_delay_ms and engine.span is not None:
+        await asyncio.sleep(node.config.debug_layer_delay_ms * len(engine.span) / 1000.0)
+    return await engine.forward(session, start, hidden.to(engine.device, engine.dtype))
+
+
 class LocalRunner:
     """The supernode's own span, behind the same interface as a peer link."""
 
-    def __init__(self, engine: StageEngine):
+    def __init__(self, node: Node, engine: StageEngine):
+        self.node = node
         self.engine = engine
 
     async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
-        return await self.engine.forward(session, start, hidden.to(self.engine.device, self.engine.dtype))
+        return await run_span(self.node, self.engine, session, start, hidden)
 
     async def drop(self, term: int, session: str) -> None:
         self.engine.drop(session)
@@ -134,7 +141,7 @@ async def serve_forward(node: Node, link: Link, msg: Forward) -> None:
         await _reply(link, Fail(msg.term, msg.req, f"stale or unknown term {msg.term}"))
         return
     try:
-        out = await engine.forward(msg.session, msg.start, msg.hidden.to(engine.device, engine.dtype))
+        out = await run_span(node, engine, msg.session, msg.start, msg.hidden)
     except MeshError as exc:
         log.warning("forward_failed", session=msg.session, error=str(exc))
         await _reply(link, Fail(msg.term, msg.req, str(exc)))
