@@ -119,15 +119,17 @@ class StageEngine:
         return self.stage.head(hidden)
 
     # -- the async interface --------------------------------------------------------
+    # Results come back on the CPU, ready to pack into a frame or sample from; inputs may
+    # live anywhere and are moved to the engine's device.
 
     async def embed(self, tokens: Sequence[int]) -> Tensor:  # -> [T, H]
-        return await self._run(lambda: self._embed(tokens))
+        return await self._run(lambda: self._embed(tokens).cpu())
 
     async def forward(self, session: str, start: int, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        return await self._run(lambda: self._forward(session, start, hidden))
+        return await self._run(lambda: self._forward(session, start, hidden).cpu())
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
-        return await self._run(lambda: self._head(hidden))
+        return await self._run(lambda: self._head(hidden).cpu())
 
     def cached_length(self, session: str) -> int:
         caches = self._caches.get(session)

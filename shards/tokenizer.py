@@ -7,14 +7,13 @@ incremental decoder that never emits half a UTF-8 character.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from meshd.errors import ModelError
-from shards.manifest import MANIFEST_FILE, TOKENIZER_FILE
+from shards.manifest import TOKENIZER_FILE, Manifest
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -29,7 +28,7 @@ _PRE_TOKENIZERS = {
     "starcoder": lambda: [pre_tokenizers.Digits(individual_digits=True), *_GPT2_SPLIT],
 }
 
-CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def tokenizer_from_gguf(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
@@ -91,9 +90,10 @@ class MeshTokenizer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_id = bos_id
-        im_end = tokenizer.token_to_id("<|im_end|>")
-        # A chat model ends its turn with <|im_end|> even where the config names another eos.
-        self.eos_ids = frozenset(eos_ids) | ({im_end} if im_end is not None else set())
+        # A chat model ends its turn with <|im_end|>, a base model its text with <|endoftext|>,
+        # whichever eos the config names.
+        ends = {tokenizer.token_to_id(t) for t in END_TOKENS} - {None}
+        self.eos_ids = frozenset(eos_ids) | ends
         self._template = None
 
     @classmethod
@@ -103,10 +103,11 @@ class MeshTokenizer:
         if not path.is_file():
             raise ModelError(f"{model_dir} has no {TOKENIZER_FILE}")
         tok = Tokenizer.from_file(str(path))
-        manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
-        config = manifest["config"]
-        return cls(tok, manifest.get("chat_template"), frozenset(config.get("eos_token_ids", ())),
-                   config.get("bos_token_id"))
+        manifest = Manifest.load(model_dir)
+        c = manifest.config
+        if tok.get_vocab_size() > c.vocab_size:
+            raise ModelError(f"tokenizer has {tok.get_vocab_size()} tokens, the model only {c.vocab_size}")
+        return cls(tok, manifest.chat_template, frozenset(c.eos_token_ids), c.bos_token_id)
 
     @property
     def vocab_size(self) -> int:
