@@ -192,3 +192,44 @@ def test_gguf_rerun_is_a_noop(real_model_dir, real_gguf_path):
         convert(real_gguf_path, real_model_dir, name=Manifest.load(real_model_dir).name, progress=False)
     assert [e["event"] for e in logs] == ["convert_skipped"]
     assert (real_model_dir / MANIFEST_FILE).read_bytes() == manifest_before
+
+
+def test_interrupted_conversion_leaves_no_manifest(tiny_hf_dir, tiny_copy, monkeypatch):
+    from shards.hf_source import HFSource
+
+    real = HFSource.layer_tensors
+
+    def dies_at_layer_3(self, i):
+        if i == 3:
+            raise KeyboardInterrupt  # the user pressed ^C mid-way
+        return real(self, i)
+
+    monkeypatch.setattr(HFSource, "layer_tensors", dies_at_layer_3)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_hf_dir, tiny_copy, dtype="bfloat16", progress=False)
+    # The old manifest went first (its files are being replaced); no new one was written.
+    assert not (tiny_copy / MANIFEST_FILE).exists()
+    assert not list(tiny_copy.glob(".*.tmp"))
+    with pytest.raises(ModelError):
+        Manifest.load(tiny_copy)
+
+
+def test_state_dir_models(tiny_model_dir, tmp_path):
+    from shards.fetch import KNOWN_MODELS, list_models
+
+    state = tmp_path / "state"
+    assert list_models(state) == []
+    shutil.copytree(tiny_model_dir, state / "models" / "tiny-llama")
+    (state / "models" / "half-done").mkdir()  # no manifest: not listed
+    assert [m.name for m in list_models(state)] == ["tiny-llama"]
+    assert resolve_model(state, "tiny-llama") == state / "models" / "tiny-llama"
+    assert resolve_model(state, str(tiny_model_dir)) == tiny_model_dir
+    with pytest.raises(ModelError, match="meshd model convert"):
+        resolve_model(state, "no-such-model")
+    assert KNOWN_MODELS["smollm2-135m"].member.endswith(".gguf")
+
+
+def test_unknown_source_refused(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="neither a GGUF"):
+        convert(tmp_path / "x.bin", tmp_path / "out", progress=False)

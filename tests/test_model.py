@@ -188,3 +188,21 @@ def test_real_kv_decode_equals_full_recompute(real_model_dir, real_stage):
     print(f"kv decode vs recompute: max abs diff {diff:.2e} of logits up to {scale:.1f}")
     assert diff < 1e-3 * scale
     assert torch.equal(stepped.argmax(-1), full.argmax(-1))
+
+
+async def test_engine_bfloat16_on_cpu(tiny_model_dir):
+    ids = MeshTokenizer.load(tiny_model_dir).encode(PROMPT)
+    eng = StageEngine.load(tiny_model_dir, Span(0, 6), True, True, device="cpu", dtype="bfloat16")
+    ref = StageEngine.load(tiny_model_dir, Span(0, 6), True, True, device="cpu", dtype="auto")
+    try:
+        assert eng.dtype == torch.bfloat16 and ref.dtype == torch.float32
+        h = await eng.forward("s", 0, await eng.embed(ids))
+        assert h.dtype == torch.bfloat16
+        logits = await eng.head(h)
+        assert logits.dtype == torch.float32
+        want = await ref.head(await ref.forward("s", 0, await ref.embed(ids)))
+        # bf16 keeps ~3 significant digits: close, not equal.
+        assert (logits - want).abs().max() < 0.1 * want.abs().max()
+    finally:
+        eng.close()
+        ref.close()
