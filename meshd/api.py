@@ -24,6 +24,7 @@ from meshd.openai import (
     parse_request,
     response_json,
 )
+from meshd.proxy import proxy_completion
 from meshd.scheduler import Usage
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 NODE = web.AppKey("node", "Node")
+KEEPALIVE_S = 1.0
 
 
 def error_response(message: str, status: int, param: str | None = None) -> web.Response:
@@ -46,8 +48,10 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), exc.status, exc.param)
     except NoCapacity as exc:
         return error_response(f"the mesh cannot serve now: {exc}", 503)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(f"request body too large (limit {exc.max_size} bytes)", 413)
+    except web.HTTPRequestEntityTooLarge:
+        # aiohttp's exception keeps no size attribute; the limit is ours.
+        limit = request.app[NODE].config.max_body_bytes
+        return error_response(f"request body too large (limit {limit} bytes)", 413)
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
             return error_response(exc.reason, exc.status)
@@ -77,7 +81,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     node = request.app[NODE]
     body = await read_json(request)
     if not node.is_supernode:
-        return await node.proxy_completion(request, body)
+        return await proxy_completion(node, request, body, chat)
     engine_ready = node.serving_parts()
     if engine_ready is None:
         raise NoCapacity(node.unavailable_reason())
@@ -124,11 +128,13 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
     await resp.prepare(request)
     queue: asyncio.Queue[dict | None] = asyncio.Queue()
 
+    usage = Usage()
+
     async def one(index: int) -> None:
         first = True
         try:
             async for chunk in node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), history=list(req.resume)
+                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
             ):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)
@@ -139,11 +145,21 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
     async def write_events() -> None:
         finished = 0
         while finished < req.n:
-            item = await queue.get()
+            try:
+                item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+            except TimeoutError:
+                # An SSE comment while a long prefill runs: tells the entry peer
+                # (and any proxy) that this supernode is alive.
+                await resp.write(b": keepalive\n\n")
+                continue
             if item is None:
                 finished += 1
             else:
                 await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+        if req.include_usage:
+            final = response_json(req, cid, [], len(req.prompt_ids), usage.completion_tokens)
+            final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
 
     # A client that goes away makes write_events raise, the group cancels the
     # generations, and their sessions are freed on every stage.

@@ -58,6 +58,11 @@ class Config:
     settle_s: float = 1.0
     accept_timeout_s: float = 300.0
     drain_timeout_s: float = 20.0
+    # How long a request waits for a (new) supernode's plan before a 503.
+    failover_wait_s: float = 30.0
+    # Fetch the rest of the model in the background once a span is loaded, so
+    # that any survivor can take over as supernode or take a lost span.
+    replicate: bool = True
     max_frame_bytes: int = 64 * 1024 * 1024
     max_body_bytes: int = 1024 * 1024
     max_tokens_limit: int = 4096

@@ -17,7 +17,7 @@ import structlog
 from meshd.errors import MeshError, NoCapacity, PeerLost
 from meshd.pipeline import ActivePlan
 from meshd.placement import place, replan
-from meshd.stage import NOT_MY_SUPERNODE, LocalRunner, load_engine, prepare_model
+from meshd.stage import NOT_MY_SUPERNODE, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
 from protocol.messages import Accept, Commit, NodeId, Plan, Reject
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ async def lead(node: Node) -> None:
                for a in assignments}
     await node.pipeline.set_plan(ActivePlan(term, assignments, runners))
     node.unavailable = ""
+    node.spawn(replicate(node))
     log.info("plan_active", term=term, seconds=round(time.monotonic() - t0, 2),
              plan=" ".join(f"{a.node}={a.span}" for a in assignments))
 
@@ -105,7 +106,7 @@ async def lead(node: Node) -> None:
 def _sources(node: Node) -> tuple[NodeId, ...]:
     """Peers that hold the whole model, this one first."""
     name = node.model_name
-    out = [node.node_id] if node.manifest is not None else []
+    out = [node.node_id] if has_whole_model(node) else []
     out += [pid for pid, link in node.links.items() if link.alive and name in link.caps.models]
     return tuple(out)
 

@@ -84,6 +84,7 @@ class Node:
         self.pending_plan: Plan | None = None  # the latest plan received, while it loads
         self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
         self.pending_replies: dict[NodeId, asyncio.Future] = {}  # supernode: Accept/Reject per peer
+        self.replicating = False
         self.model_dir, self.manifest = self._local_model()
         self.pipeline = Pipeline(lambda: self.engine)
         self.scheduler = Scheduler(self.pipeline, None)
@@ -153,7 +154,9 @@ class Node:
     def serves(self) -> bool:
         if self.is_supernode:
             return self.pipeline.plan is not None
-        return self.plan is not None and self.supernode in self.links
+        link = self.links.get(self.supernode) if self.supernode else None
+        return (self.plan is not None and self.plan.supernode == self.supernode
+                and link is not None and link.alive)
 
     def serving_parts(self):
         if self.tokenizer is None or self.manifest is None or self.pipeline.plan is None:
@@ -459,20 +462,35 @@ class Node:
 
         return build_status(self)
 
-    async def proxy_completion(self, request: web.Request, body) -> web.StreamResponse:
-        """Forward a client's request to the supernode and stream its answer back."""
-        link = self.links.get(self.supernode) if self.supernode else None
-        if link is None or not link.alive:
-            raise NoCapacity(f"no link to the supernode ({self.unavailable})")
-        url = f"http://{url_host(link.addr)}:{link.caps.api_port}{request.path}"
-        async with self.http.post(url, json=body) as upstream:
-            resp = web.StreamResponse(status=upstream.status)
-            resp.content_type = upstream.content_type
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+    # -- for the entry peer's proxy ---------------------------------------------------
+
+    def current_term(self) -> int:
+        plan = self.pipeline.plan if self.is_supernode else self.plan
+        return plan.term if plan is not None else 0
+
+    def own_url(self) -> str:
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{url_host(host)}:{self.config.port}"
+
+    async def _wait_for(self, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise NoCapacity(f"{what}: {self.unavailable}")
+            await asyncio.sleep(0.05)
+
+    async def supernode_base_url(self) -> str:
+        """Where to send a completion now: the supernode's API (maybe our own)."""
+        await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
+        if self.is_supernode:
+            return self.own_url()
+        link = self.links[self.supernode]
+        return f"http://{url_host(link.addr)}:{link.caps.api_port}"
+
+    async def wait_new_term(self, term: int) -> None:
+        """After losing the supernode mid-request: wait for the plan of the next one."""
+        await self._wait_for(lambda: self.serves() and self.current_term() > term, self.config.failover_wait_s,
+                             "no new supernode took over")
 
 
 class _Stopped(Exception):

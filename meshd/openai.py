@@ -26,6 +26,7 @@ class CompletionRequest:
     stream: bool
     # meshd extension: tokens already generated (a resubmission after a supernode loss).
     resume: tuple[int, ...] = ()
+    include_usage: bool = False
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
@@ -111,7 +112,13 @@ def parse_request(
         stop=_stops(body),
     )
     n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-    return CompletionRequest(chat, model, prompt_ids, params, n, stream, tuple(resume))
+    if resume and n != 1:
+        raise BadRequest("meshd_resume needs n = 1", param="meshd_resume")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    include_usage = bool(options.get("include_usage")) and stream
+    return CompletionRequest(chat, model, prompt_ids, params, n, stream, tuple(resume), include_usage)
 
 
 def completion_id(chat: bool) -> str:

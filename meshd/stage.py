@@ -132,6 +132,7 @@ def on_commit(node: Node, link: Link, commit: Commit) -> None:
     node.prepared = None
     node.activate(*prepared)
     log.info("plan_active", term=commit.term, supernode=link.peer_id)
+    node.spawn(replicate(node))
 
 
 async def serve_forward(node: Node, link: Link, msg: Forward) -> None:
@@ -213,8 +214,14 @@ async def load_engine(node: Node, manifest: Manifest, model_dir: Path, span: Spa
 
 
 async def _fetch(node: Node, manifest: Manifest, model_dir: Path, names: list[str], sources) -> None:
+    """Fetch ``names``: from the plan's sources first, then from any peer, each
+    taking what the last could not give (after a loss, the files may be spread)."""
     errors = []
-    for pid, base in _source_urls(node, sources):
+    others = [pid for pid in node.links if pid not in sources]
+    for pid, base in _source_urls(node, list(sources) + others):
+        names = missing_files(model_dir, manifest, names)
+        if not names:
+            return
         log.info("shard_fetch_started", source=pid, files=len(names),
                  bytes=sum(manifest.files[n].size for n in names))
         try:
@@ -223,4 +230,29 @@ async def _fetch(node: Node, manifest: Manifest, model_dir: Path, names: list[st
         except (MeshError, OSError, aiohttp.ClientError) as exc:
             errors.append(f"{pid}: {exc}")
             log.warning("shard_fetch_failed", source=pid, error=str(exc))
-    raise ShardMissing(f"could not fetch {len(names)} shard files: " + ("; ".join(errors) or "no source peer"))
+    if missing_files(model_dir, manifest, names):
+        raise ShardMissing(f"could not fetch {len(names)} shard files: " + ("; ".join(errors) or "no peer has them"))
+
+
+def has_whole_model(node: Node) -> bool:
+    m = node.manifest
+    return m is not None and node.model_dir is not None and not missing_files(node.model_dir, m, list(m.files))
+
+
+async def replicate(node: Node) -> None:
+    """Fetch, in the background, the files of the model this peer lacks, so the
+    mesh survives the loss of the only peer that held some of them."""
+    m, model_dir = node.manifest, node.model_dir
+    if not node.config.replicate or m is None or model_dir is None or node.replicating:
+        return
+    names = missing_files(model_dir, m, list(m.files))
+    if not names:
+        return
+    node.replicating = True
+    try:
+        await _fetch(node, m, model_dir, names, ())
+        log.info("model_replicated", model=m.name, files=len(names))
+    except (MeshError, OSError) as exc:
+        log.warning("replicate_failed", error=str(exc))
+    finally:
+        node.replicating = False

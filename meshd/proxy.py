@@ -1,0 +1,153 @@
+"""The entry peer's side of a completion: forward it to the supernode, stream
+the answer back, and keep the token history, so that if the supernode is lost
+mid-stream the request is resubmitted to the next one and the stream goes on
+where it stopped (no duplicate, no missing token).
+
+Upstream is always a stream (with usage), whatever the client asked; a client
+that asked for one JSON body gets it assembled here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from meshd.errors import NoCapacity
+from meshd.openai import completion_id
+
+if TYPE_CHECKING:
+    from meshd.node import Node
+
+log = structlog.get_logger()
+
+MAX_RESUBMITS = 3
+
+
+async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The data payloads of a server-sent event stream."""
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+class _Answer:
+    """What the client has been sent so far, per choice."""
+
+    def __init__(self, n: int):
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.usage: dict | None = None
+        self.model: str | None = None
+
+    def add(self, data: dict, chat: bool) -> None:
+        self.model = data.get("model", self.model)
+        if data.get("usage"):
+            self.usage = data["usage"]
+        for choice in data.get("choices", []):
+            i = choice.get("index", 0)
+            if not 0 <= i < len(self.ids):
+                continue
+            self.ids[i].extend(choice.get("token_ids", []))
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if piece:
+                self.text[i].append(piece)
+            if choice.get("finish_reason"):
+                self.finish[i] = choice["finish_reason"]
+
+    def whole(self, cid: str, chat: bool) -> dict:
+        choices = []
+        for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish)):
+            body = "".join(text)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": body},
+                                "finish_reason": finish, "token_ids": ids})
+            else:
+                choices.append({"index": i, "text": body, "logprobs": None, "finish_reason": finish,
+                                "token_ids": ids})
+        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices, "usage": self.usage}
+
+
+async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -> web.StreamResponse:
+    if not isinstance(body, dict):  # let the supernode word the error
+        body = {"_invalid": body}
+    wants_stream = body.get("stream") is True
+    wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if wants_stream else True
+    n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
+    cid = completion_id(chat)
+    answer = _Answer(max(1, min(n, 8)))
+    resp: web.StreamResponse | None = None
+    resubmits = 0
+    while True:
+        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        if resubmits:
+            upstream_body["meshd_resume"] = answer.ids[0]
+        term = node.current_term()
+        url = await node.supernode_base_url() + request.path
+        # The supernode streams at least a keepalive each second; silence for
+        # as long as the heartbeat allows means it is hung or cut off.
+        silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
+        try:
+            async with node.http.post(url, json=upstream_body, timeout=silence) as up:
+                if up.status != 200:
+                    # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
+                    payload = await up.read()
+                    if resp is None:
+                        return web.Response(body=payload, status=up.status, content_type="application/json")
+                    await _send(resp, payload.decode("utf-8", "replace"))
+                    break
+                async for data in sse_events(up.content):
+                    if data == "[DONE]":
+                        if wants_stream:
+                            resp = await _prepared(resp, request)
+                            await _send(resp, "[DONE]")
+                            await resp.write_eof()
+                            return resp
+                        return web.json_response(answer.whole(cid, chat))
+                    event = json.loads(data)
+                    if "choices" in event or "usage" in event:
+                        event["id"] = cid
+                        answer.add(event, chat)
+                    if wants_stream and (event.get("choices") or wants_usage or "error" in event):
+                        resp = await _prepared(resp, request)
+                        await _send(resp, json.dumps(event))
+            raise aiohttp.ClientPayloadError("the supernode ended the stream without [DONE]")
+        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+            # The supernode went away mid-answer. One choice can be resumed from
+            # its token history; several only if nothing was generated yet.
+            resubmits += 1
+            started = any(answer.ids)
+            if resubmits > MAX_RESUBMITS or (n > 1 and started):
+                log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits)
+                if resp is None:
+                    raise NoCapacity(f"lost the supernode mid-request: {exc}") from None
+                await _send(resp, json.dumps({"error": {"message": f"lost the supernode: {exc}",
+                                                        "type": "server_error", "code": "mesh_unavailable"}}))
+                break
+            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.ids[0]), attempt=resubmits)
+            await node.wait_new_term(term)
+    resp = await _prepared(resp, request)
+    await _send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def _prepared(resp: web.StreamResponse | None, request: web.Request) -> web.StreamResponse:
+    if resp is None:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, data: str) -> None:
+    await resp.write(b"data: " + data.encode() + b"\n\n")
+
