@@ -163,16 +163,23 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
 
     # A client that goes away makes write_events raise, the group cancels the
     # generations, and their sessions are freed on every stage.
+    gone, failure = False, None
     try:
         async with asyncio.TaskGroup() as tg:
             for i in range(req.n):
                 tg.create_task(one(i))
             tg.create_task(write_events())
+    except* ConnectionResetError:
+        gone = True
     except* MeshError as group:
-        exc = group.exceptions[0]
-        log.warning("stream_failed", error=str(exc))
-        status = 503 if isinstance(exc, NoCapacity) else 500
-        await resp.write(b"data: " + json.dumps(error_json(f"generation failed: {exc}", status)).encode() + b"\n\n")
+        failure = group.exceptions[0]
+    if gone:  # an ordinary event, not a server error: nobody is left to tell
+        log.info("client_gone", path=request.path)
+        return resp
+    if failure is not None:
+        log.warning("stream_failed", error=str(failure))
+        status = 503 if isinstance(failure, NoCapacity) else 500
+        await resp.write(b"data: " + json.dumps(error_json(f"generation failed: {failure}", status)).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -195,7 +202,25 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].status())
 
 
+async def drain(request: web.Request) -> web.Response:
+    """POST /v1/mesh/drain {"node": ID}: move that peer's span away (any peer; the supernode acts)."""
+    node = request.app[NODE]
+    body = await read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("node"), str):
+        raise BadRequest('the body must be {"node": NODE_ID}', param="node")
+    if not node.is_supernode:
+        base = await node.supernode_base_url()
+        async with node.http.post(base + request.path, json=body, headers=_forwarded_auth(request)) as up:
+            return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+    return web.json_response(await node.drain_peer(body["node"]))
+
+
+def _forwarded_auth(request: web.Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-meshd-auth")}
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/mesh/drain", drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

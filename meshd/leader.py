@@ -29,7 +29,7 @@ log = structlog.get_logger()
 VIEW_RETRIES = 5
 
 
-async def lead(node: Node) -> None:
+async def lead(node: Node, reason: str = "") -> None:
     t0 = time.monotonic()
     try:
         manifest, model_dir = await prepare_model(node, node.model_name, sources=_sources(node))
@@ -44,7 +44,8 @@ async def lead(node: Node) -> None:
     while True:
         node.term += 1
         term = node.term
-        candidates = [c for c in node.candidates() if c.node_id not in excluded]
+        candidates = [c for c in node.candidates()
+                      if c.node_id not in excluded and c.node_id not in node.draining]
         alive = {c.node_id for c in candidates}
         # Decode is bound by bytes read, so the head costs what its bytes cost in layers.
         head_ms = node.caps.layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
@@ -61,6 +62,7 @@ async def lead(node: Node) -> None:
             log.error("plan_impossible", term=term, reason=str(exc))
             await node.pipeline.set_plan(None, node.unavailable)
             return
+        log.info("planning", term=term, reason=reason)
         plan = Plan(term, node.node_id, manifest.name, manifest.digest, assignments, sources=_sources(node))
         log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
         node.pending_replies = {a.node: asyncio.get_running_loop().create_future()
@@ -93,7 +95,7 @@ async def lead(node: Node) -> None:
     for link in list(node.links.values()):
         with contextlib.suppress(PeerLost):
             await link.send(Commit(term))
-    node.activate(plan, engine)
+    node.activate(plan, engine, reason)
     runners = {a.node: (LocalRunner(node, engine) if a.node == node.node_id else node.links[a.node])
                for a in assignments}
     await node.pipeline.set_plan(ActivePlan(term, assignments, runners))

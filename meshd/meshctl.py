@@ -54,7 +54,8 @@ def format_status(status: dict) -> str:
             "-" if rtt is None else f"{rtt:.2f} ms",
         ])
     plan = " ".join(f"{a['node']}[{a['start']}:{a['stop']})" for a in status.get("plan", [])) or "none"
-    return f"{head}\nplan {plan}\n\n{render_table(rows)}"
+    terms = "\n".join(f"  term {t['term']}: {t.get('reason') or '-'}" for t in status.get("terms", [])[-5:])
+    return f"{head}\nplan {plan}\n\n{render_table(rows)}" + (f"\n\nterms\n{terms}" if terms else "")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -23,13 +23,13 @@ from meshd import api, leader, stage
 from meshd.config import Config
 from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen
 from meshd.election import elect
-from meshd.errors import AuthError, NoCapacity, ProtocolError
+from meshd.errors import AuthError, BadRequest, NoCapacity, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
 from meshd.pipeline import Pipeline
 from meshd.placement import Candidate
 from meshd.scheduler import Scheduler
-from meshd.transfer import AUTH_HEADER, check_files_token, serve_file
+from meshd.transfer import AUTH_HEADER, check_files_token, files_token, serve_file
 from protocol.messages import PROTOCOL_VERSION, Bye, Capabilities, Message, NodeId, Plan
 from shards.engine import StageEngine
 from shards.fetch import list_models
@@ -39,7 +39,8 @@ from shards.tokenizer import MeshTokenizer
 log = structlog.get_logger()
 
 LOST_SHOWN_S = 600.0
-DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
+DEFAULT_HOP_MS = 0.3
+TERMS_KEPT = 20  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
 
 
 def load_node_id(state_dir: Path) -> NodeId:
@@ -94,6 +95,9 @@ class Node:
         self._tg: asyncio.TaskGroup | None = None
         self._view_changed = asyncio.Event()
         self._loss_pending = False
+        self._view_reason = "start"
+        self.draining: set[NodeId] = set()  # supernode: peers being moved off the plan
+        self.history: list[dict] = []  # the terms this peer has seen become active, newest last
         self._events: asyncio.Queue = asyncio.Queue()
         self._lead_task: asyncio.Task | None = None
         self._dialing: set[str] = set()
@@ -201,13 +205,14 @@ class Node:
                     tg.create_task(self._notify_ready(on_ready))
                 if watchdog is not None:
                     tg.create_task(watchdog())
-                self._view_changed.set()
+                self.view_changed("start")
                 await stop.wait()
                 log.info("node_stopping")
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
-                await self._drain()
+                await self.request_own_drain()  # hand the span away
+                await self._drain()  # let in-flight sessions finish
                 for link in list(self.links.values()):
                     with contextlib.suppress(Exception):
                         await link.send(Bye("shutting down"))
@@ -363,7 +368,8 @@ class Node:
             self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
         log.info("peer_joined", peer=link.peer_id, name=link.hello.name, addr=link.addr,
                  device=link.caps.device, vram=link.caps.vram)
-        self._view_changed.set()
+        self.draining.discard(link.peer_id)  # a peer that comes back is no longer drained
+        self.view_changed(f"peer {link.peer_id} joined")
         return True
 
     def _unregister(self, link: Link) -> None:
@@ -372,8 +378,7 @@ class Node:
         del self.links[link.peer_id]
         self.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
         log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
-        self._loss_pending = True
-        self._view_changed.set()
+        self.view_changed(f"peer {link.peer_id} lost: {link.close_reason}", urgent=True)
 
     async def _heartbeat_loop(self) -> None:
         """Ping every link each beat; a link silent for ``missed_beats`` beats is lost
@@ -418,13 +423,20 @@ class Node:
             self._loss_pending = False
             self._reelect()
 
+    def view_changed(self, reason: str, urgent: bool = False) -> None:
+        """Something the plan depends on changed; ``urgent`` skips the settling
+        (a loss or a drain: requests are waiting on the re-plan)."""
+        self._view_reason = reason
+        self._loss_pending = self._loss_pending or urgent
+        self._view_changed.set()
+
     def _reelect(self) -> None:
         winner = elect(self.candidates())
         if self._lead_task is not None and not self._lead_task.done():
             self._lead_task.cancel()
         if winner == self.node_id:
             self.supernode = self.node_id
-            self._lead_task = self.spawn(leader.lead(self))
+            self._lead_task = self.spawn(leader.lead(self, self._view_reason))
         else:
             if self.supernode == self.node_id:
                 log.info("supernode_yields", to=winner)
@@ -434,10 +446,14 @@ class Node:
 
     # -- plans and models ----------------------------------------------------------
 
-    def activate(self, plan: Plan, engine: StageEngine | None) -> None:
+    def activate(self, plan: Plan, engine: StageEngine | None, reason: str = "") -> None:
         """Make ``plan`` this peer's active plan, with ``engine`` for its part."""
         self.plan = plan
         self.supernode = plan.supernode
+        self.history.append({"term": plan.term, "at": round(time.time(), 3), "reason": reason,
+                             "plan": [{"node": a.node, "start": a.span.start, "stop": a.span.stop}
+                                      for a in plan.assignments]})
+        del self.history[:-TERMS_KEPT]
         if engine is not self.engine:
             old, self.engine = self.engine, engine
             if old is not None:
@@ -461,6 +477,47 @@ class Node:
         from meshd.status import build_status
 
         return build_status(self)
+
+    # -- drain ---------------------------------------------------------------------
+
+    async def drain_peer(self, peer: NodeId) -> dict:
+        """Supernode: move ``peer``'s span to the others, and return once a plan
+        without it is active (a planned shutdown then loses no time)."""
+        if peer == self.node_id:
+            raise BadRequest("the supernode cannot be drained: stop it and the next peer takes over", 409)
+        if peer not in self.links:
+            raise BadRequest(f"no peer {peer} in this mesh", 404, param="node")
+        self.draining.add(peer)
+        self.view_changed(f"drain {peer}", urgent=True)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            plan = self.pipeline.plan
+            if plan is not None and all(a.node != peer for a in plan.assignments):
+                return {"node": peer, "drained": True, "term": plan.term,
+                        "plan": [{"node": a.node, "start": a.span.start, "stop": a.span.stop}
+                                 for a in plan.assignments]}
+            if self.pipeline.plan is None and self.unavailable and "room" in self.unavailable:
+                break
+            await asyncio.sleep(0.05)
+        self.draining.discard(peer)
+        self.view_changed(f"drain of {peer} undone")
+        raise NoCapacity(f"could not move {peer}'s span away: {self.unavailable or 'timed out'}")
+
+    async def request_own_drain(self) -> None:
+        """At shutdown, a stage asks the supernode to move its span away first."""
+        plan = self.plan
+        if self.is_supernode or plan is None or all(a.node != self.node_id for a in plan.assignments):
+            return
+        try:
+            base = await asyncio.wait_for(self.supernode_base_url(), 2.0)
+            path = "/v1/mesh/drain"
+            headers = {AUTH_HEADER: files_token(self.secret, self.node_id, path)}
+            timeout = aiohttp.ClientTimeout(total=self.config.drain_timeout_s)
+            async with self.http.post(base + path, json={"node": self.node_id}, headers=headers,
+                                      timeout=timeout) as resp:
+                log.info("drained_self", status=resp.status)
+        except (aiohttp.ClientError, TimeoutError, NoCapacity) as exc:
+            log.warning("drain_self_failed", error=str(exc))
 
     # -- for the entry peer's proxy ---------------------------------------------------
 

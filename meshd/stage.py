@@ -130,7 +130,7 @@ def on_commit(node: Node, link: Link, commit: Commit) -> None:
         log.warning("commit_ignored", term=commit.term, peer=link.peer_id)
         return
     node.prepared = None
-    node.activate(*prepared)
+    node.activate(*prepared, reason=f"plan of supernode {link.peer_id}")
     log.info("plan_active", term=commit.term, supernode=link.peer_id)
     node.spawn(replicate(node))
 

@@ -28,6 +28,8 @@ def _role(node: Node, peer_id: str) -> str:
 
 
 def _state(node: Node, peer_id: str) -> str:
+    if peer_id in node.draining:
+        return "draining" if _span_of(node, peer_id) is not None else "drained"
     if node.plan is None:
         return "joining"
     in_plan = any(a.node == peer_id for a in node.plan.assignments)
@@ -84,4 +86,5 @@ def build_status(node: Node) -> dict:
         "plan": [{"node": a.node, "start": a.span.start, "stop": a.span.stop} for a in plan.assignments]
         if plan is not None else [],
         "peers": peers,
+        "terms": node.history[-10:],
     }
