@@ -33,6 +33,7 @@ from .messages import (
     Drop,
     Fail,
     Forward,
+    ForwardBatch,
     Hello,
     Message,
     NodeId,
@@ -41,6 +42,8 @@ from .messages import (
     Pong,
     Reject,
     Result,
+    ResultBatch,
+    Segment,
     SessionId,
 )
 
@@ -195,6 +198,20 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
                 req=f.int("req"),
                 hidden=f.tensor("hidden"),
             )
+        case ForwardBatch.tag:
+            batch = ForwardBatch(
+                term=f.int("term"),
+                req=f.int("req"),
+                segments=f.list("segments", lambda g: _segment(g.as_map())),
+                hidden=f.tensor("hidden"),
+            )
+            rows = sum(s.rows for s in batch.segments)
+            if batch.hidden.dim() != 2 or batch.hidden.shape[0] != rows:
+                raise ProtocolError(f"fwdb: hidden {tuple(batch.hidden.shape)} does not hold the {rows} rows "
+                                    "its segments name")
+            return batch
+        case ResultBatch.tag:
+            return ResultBatch(term=f.int("term"), req=f.int("req"), hidden=f.tensor("hidden"))
         case Fail.tag:
             return Fail(term=f.int("term"), req=f.int("req"), reason=f.str("reason"))
         case Drop.tag:
@@ -217,6 +234,13 @@ def _capabilities(f: _Fields) -> Capabilities:
         layer_ms=f.float("layer_ms"),
         models=f.list("models", lambda g: g.as_str(), default=()),
     )
+
+
+def _segment(f: _Fields) -> Segment:
+    rows = f.int("rows")
+    if rows < 1:
+        raise ProtocolError(f"{f.where}: a segment needs at least one row")
+    return Segment(session=f.session("session"), start=f.int("start"), rows=rows)
 
 
 def _assignment(f: _Fields) -> Assignment:

@@ -153,6 +153,35 @@ class Fail:
 
 
 @dataclass(frozen=True, slots=True)
+class Segment:
+    """One session's rows inside a batched frame (nested)."""
+
+    session: SessionId
+    start: int  # position of the segment's first row
+    rows: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ForwardBatch:
+    """Many sessions in one frame: ``hidden`` is their rows one after another,
+    in ``segments`` order (a decode row per running session, prefill chunks)."""
+
+    tag: ClassVar[str] = "fwdb"
+    term: int
+    req: int
+    segments: tuple[Segment, ...]
+    hidden: torch.Tensor  # [sum(rows), H]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResultBatch:
+    tag: ClassVar[str] = "resb"
+    term: int
+    req: int
+    hidden: torch.Tensor  # [sum(rows), H], same row order
+
+
+@dataclass(frozen=True, slots=True)
 class Drop:
     tag: ClassVar[str] = "drop"
     term: int
@@ -161,6 +190,7 @@ class Drop:
 
 Message = (
     Hello | Auth | Ping | Pong | Bye | Plan | Accept | Reject | Commit | Forward | Result | Fail | Drop
+    | ForwardBatch | ResultBatch
 )
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__

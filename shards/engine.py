@@ -97,23 +97,38 @@ class StageEngine:
         return self.stage.embed(ids)
 
     def _forward(self, session: str, start: int, hidden: Tensor) -> Tensor:
+        return self._forward_batch([(session, start, hidden.shape[0] if hidden.dim() == 2 else 0)], hidden)
+
+    def _forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
+        """Every session's rows in one forward: ``segments`` are (session, start, rows)
+        in the row order of ``hidden`` [N, H]."""
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
             raise ModelError(f"hidden has shape {tuple(hidden.shape)}, want [T, {self.config.hidden_size}]")
+        if sum(rows for _, _, rows in segments) != hidden.shape[0]:
+            raise ModelError(f"segments name {sum(r for _, _, r in segments)} rows, hidden has {hidden.shape[0]}")
+        if len({session for session, _, _ in segments}) != len(segments):
+            raise ModelError("a session appears twice in one batch")
         if self.span is None:
             return hidden
-        caches = self._caches.get(session)
-        if caches is None:
-            if start != 0:
-                raise ModelError(f"session {session} has no cache here; replay from 0, not {start}")
-            caches = self._caches[session] = self.stage.new_caches()
-        cached = next(iter(caches.values())).length
-        if start > cached:
-            raise ModelError(f"session {session} has {cached} cached positions, cannot start at {start}")
-        if start + hidden.shape[0] > self.config.max_position:
-            raise ModelError(f"positions up to {start + hidden.shape[0]} exceed max {self.config.max_position}")
-        for cache in caches.values():  # a replay or rewind: cut back, then append
-            cache.truncate(start)
-        return self.stage(hidden, start, caches)
+        batch = []
+        for session, start, rows in segments:
+            caches = self._caches.get(session)
+            if caches is None:
+                if start != 0:
+                    raise ModelError(f"session {session} has no cache here; replay from 0, not {start}")
+                caches = self.stage.new_caches()
+            cached = next(iter(caches.values())).length
+            if start > cached:
+                raise ModelError(f"session {session} has {cached} cached positions, cannot start at {start}")
+            if start + rows > self.config.max_position:
+                raise ModelError(f"positions up to {start + rows} exceed max {self.config.max_position}")
+            batch.append((session, start, rows, caches))
+        # Checked every segment before touching any cache: a bad batch changes nothing.
+        for session, start, _, caches in batch:
+            self._caches[session] = caches
+            for cache in caches.values():  # a replay or rewind: cut back, then append
+                cache.truncate(start)
+        return self.stage.forward_batch(hidden, [(start, rows, caches) for _, start, rows, caches in batch])
 
     def _head(self, hidden: Tensor) -> Tensor:
         return self.stage.head(hidden)
@@ -127,6 +142,9 @@ class StageEngine:
 
     async def forward(self, session: str, start: int, hidden: Tensor) -> Tensor:  # [T, H] -> [T, H]
         return await self._run(lambda: self._forward(session, start, hidden).cpu())
+
+    async def forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
+        return await self._run(lambda: self._forward_batch(segments, hidden).cpu())  # [N, H] -> [N, H]
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         return await self._run(lambda: self._head(hidden).cpu())
@@ -200,7 +218,7 @@ def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dty
     cache = KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev)
     x = torch.randn(context, cfg.hidden_size, device=dev, dtype=dt)
     cos, sin = rope_cos_sin(torch.arange(context, device=dev), cfg.head_dim, cfg.rope_theta, dt)
-    block(x, cos, sin, 0, cache)  # prefill a short context, also the warm-up
+    block(x, cos, sin, [(0, context, cache)])  # prefill a short context, also the warm-up
     one = x[:1]
     times = []
     deadline = time.perf_counter() + budget_s
@@ -209,7 +227,7 @@ def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dty
         c, s = cos[-1:], sin[-1:]
         _sync(dev)
         t0 = time.perf_counter()
-        block(one, c, s, context, cache)
+        block(one, c, s, [(context, 1, cache)])
         _sync(dev)
         times.append(time.perf_counter() - t0)
         if len(times) >= 200:

@@ -52,6 +52,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [heads, T, h
     return x * cos + rotate_half(x) * sin
 
 
+# (start position, rows, that layer's cache) per session in a batch, in row order.
+Segments = list[tuple[int, int, "KVCache | None"]]
+
+
 class KVCache:
     """One layer's keys and values for one session: [nkv, capacity, hd], grown in chunks."""
 
@@ -102,12 +106,28 @@ class Attention(nn.Module):
         self.wv = nn.Linear(c.hidden_size, c.kv_size, bias=False)
         self.wo = nn.Linear(c.q_size, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, cache: KVCache | None) -> Tensor:
-        T = x.shape[0]
-        q = self.wq(x).view(T, self.n_heads, self.head_dim).transpose(0, 1)  # [nh, T, hd]
-        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, T, hd]
-        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
+        """x [N, H]: the rows of every segment one after another; the projections
+        run on all rows at once, attention per segment against its own cache."""
+        N = x.shape[0]
+        q = apply_rope(self.wq(x).view(N, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)  # [nh, N, hd]
+        k = apply_rope(self.wk(x).view(N, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)  # [nkv, N, hd]
+        v = self.wv(x).view(N, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, N, hd]
+        if len(segments) == 1:
+            start, _, cache = segments[0]
+            y = self._attend(q, k, v, start, cache)
+        else:
+            ys, off = [], 0
+            for start, rows, cache in segments:
+                sl = slice(off, off + rows)
+                ys.append(self._attend(q[:, sl], k[:, sl], v[:, sl], start, cache))
+                off += rows
+            y = torch.cat(ys, dim=1)
+        return self.wo(y.transpose(0, 1).reshape(N, -1))  # [nh, N, hd] -> [N, H]
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: KVCache | None) -> Tensor:
+        """One segment: q [nh, T, hd], k/v [nkv, T, hd] at positions start.. -> [nh, T, hd]."""
+        T = q.shape[1]
         if cache is not None:
             k, v = cache.update(start, k, v)  # [nkv, S, hd]
         elif start != 0:
@@ -117,13 +137,12 @@ class Attention(nn.Module):
         k = k.repeat_interleave(rep, dim=0)  # [nh, S, hd]
         v = v.repeat_interleave(rep, dim=0)
         if T == 1:  # one new position sees everything before it
-            y = F.scaled_dot_product_attention(q, k, v)
-        elif S == T:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new row i (position start+i) sees keys 0 .. start+i
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(y.transpose(0, 1).reshape(T, -1))  # [nh, T, hd] -> [T, H]
+            return F.scaled_dot_product_attention(q, k, v)
+        if S == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # new row i (position start+i) sees keys 0 .. start+i
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class FeedForward(nn.Module):
@@ -145,8 +164,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.feed_forward = FeedForward(c)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, start: int, cache: KVCache | None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, start, cache)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, segments)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -192,13 +211,19 @@ class Stage(nn.Module):
 
     def forward(self, hidden: Tensor, start: int, caches: Caches | None = None) -> Tensor:
         """Run the span over ``hidden`` [T, H] at positions start .. start+T-1."""
+        return self.forward_batch(hidden, [(start, hidden.shape[0], caches)])
+
+    def forward_batch(self, hidden: Tensor, batch: list[tuple[int, int, Caches | None]]) -> Tensor:
+        """Run the span over several sessions at once: ``hidden`` [N, H] holds each
+        one's rows in turn, ``batch`` their (start, rows, caches)."""
         if self.span is None:
             return hidden
         x = hidden.to(device=self.device, dtype=self.dtype)
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        positions = torch.cat([torch.arange(start, start + rows, device=x.device) for start, rows, _ in batch])
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i in self.span:
-            x = self.layers[str(i)](x, cos, sin, start, None if caches is None else caches[i])
+            segments = [(start, rows, None if caches is None else caches[i]) for start, rows, caches in batch]
+            x = self.layers[str(i)](x, cos, sin, segments)
         return x
 
     def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
