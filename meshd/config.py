@@ -66,6 +66,9 @@ class Config:
     max_frame_bytes: int = 64 * 1024 * 1024
     max_body_bytes: int = 1024 * 1024
     max_tokens_limit: int = 4096
+    # KV cache positions (summed over sessions, prompt + max_tokens each) the
+    # supernode admits before answering 503; None: a quarter of the memory budget.
+    kv_budget_tokens: int | None = None
     log_level: str = "info"
     # Testing and benchmarks only: extra milliseconds per layer on every forward,
     # to simulate a slow box (or to make a generation last long enough to fault).

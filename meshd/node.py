@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import structlog
+import torch
 from aiohttp import web
 
 from meshd import api, leader, stage
@@ -24,11 +25,12 @@ from meshd.config import Config
 from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen
 from meshd.election import elect
 from meshd.errors import AuthError, BadRequest, NoCapacity, ProtocolError
+from meshd.metrics import NodeMetrics
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
 from meshd.pipeline import Pipeline
 from meshd.placement import Candidate
-from meshd.scheduler import Scheduler
+from meshd.scheduler import Scheduler, kv_bytes_per_token
 from meshd.transfer import AUTH_HEADER, check_files_token, files_token, serve_file
 from protocol.messages import PROTOCOL_VERSION, Bye, Capabilities, Message, NodeId, Plan
 from shards.engine import StageEngine
@@ -40,7 +42,8 @@ log = structlog.get_logger()
 
 LOST_SHOWN_S = 600.0
 DEFAULT_HOP_MS = 0.3
-TERMS_KEPT = 20  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
+TERMS_KEPT = 20
+KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
 
 
 def load_node_id(state_dir: Path) -> NodeId:
@@ -103,6 +106,7 @@ class Node:
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
         self.caps = self._capabilities()
+        self.metrics = NodeMetrics(self)  # one registry per node: several run in one test process
 
     # -- identity ------------------------------------------------------------------
 
@@ -199,6 +203,7 @@ class Node:
                     await discovery.start()
                     tg.create_task(self._discovery_loop())
                 tg.create_task(self._election_loop())
+                tg.create_task(self.scheduler.run())
                 tg.create_task(self._heartbeat_loop())
                 tg.create_task(self._connect_loop())
                 if on_ready is not None:
@@ -463,9 +468,16 @@ class Node:
         self.model_dir, self.manifest = model_dir, manifest
 
     def tokenizer_for(self, model_dir: Path) -> None:
+        """The supernode's parts that do not split: tokenizer, and the KV admission budget."""
         if self.tokenizer is None:
             self.tokenizer = MeshTokenizer.load(model_dir)
             self.scheduler.tokenizer = self.tokenizer
+        if self.manifest is not None:
+            budget = self.config.kv_budget_tokens
+            if budget is None:
+                per_token = kv_bytes_per_token(self.manifest.config, torch.float32)
+                budget = max(self.manifest.config.max_position, int(self.caps.mem_budget * KV_SHARE) // per_token)
+            self.scheduler.kv_budget_tokens = budget
 
     # -- files and status ----------------------------------------------------------
 

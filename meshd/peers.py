@@ -33,13 +33,15 @@ from protocol.messages import (
     Bye,
     Drop,
     Fail,
-    Forward,
+    ForwardBatch,
     Hello,
     Message,
     NodeId,
     Ping,
     Pong,
     Result,
+    ResultBatch,
+    Segment,
 )
 
 log = structlog.get_logger()
@@ -160,13 +162,13 @@ class Link:
 
     # -- outgoing calls ------------------------------------------------------
 
-    async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Run ``hidden`` through this peer's span; PeerLost if the link goes first."""
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        """Run a batch of sessions' rows through this peer's span."""
         req = next(self._req)
         future = asyncio.get_running_loop().create_future()
         self._pending[req] = future
         try:
-            await self.send(Forward(term, session, req, start, hidden))
+            await self.send(ForwardBatch(term, req, tuple(segments), hidden))
             return await future
         finally:
             self._pending.pop(req, None)
@@ -196,7 +198,7 @@ class Link:
                         await self.send(Pong(seq, sent))
                     case Pong(sent=sent):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
-                    case Result(req=req, hidden=hidden):
+                    case Result(req=req, hidden=hidden) | ResultBatch(req=req, hidden=hidden):
                         self._settle(req, hidden)
                     case Fail(req=req, reason=reason):
                         self._settle(req, PeerLost(f"{self.peer_id} failed the step: {reason}"))

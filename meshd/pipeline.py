@@ -18,18 +18,19 @@ import structlog
 import torch
 
 from meshd.errors import NoCapacity, PeerLost
-from protocol.messages import Assignment, NodeId
+from protocol.messages import Assignment, NodeId, Segment
 
 log = structlog.get_logger()
 
-# Prompt rows per Forward: bounds frame size and lets other sessions interleave.
+# Prompt rows a session sends per step: bounds frame size, and keeps a long
+# prompt from stalling the streams decoding beside it (chunked prefill).
 PREFILL_CHUNK = 256
 
 
 class StageRunner(Protocol):
     """What the pipeline needs from a place that runs a span: the local engine or a peer link."""
 
-    async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor: ...
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor: ...
 
     async def drop(self, term: int, session: str) -> None: ...
 
@@ -82,41 +83,57 @@ class Pipeline:
             assert self._plan is not None
             return self._plan
 
-    async def next_logits(self, session) -> torch.Tensor:
-        """Logits [V] for the token after ``session.tokens``; replays the history
-        when the plan changed since the stages last saw this session."""
+    async def step(self, sessions: list) -> dict[str, torch.Tensor | None]:
+        """One forward of a batch through the plan: each session contributes the
+        rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
+        per session the next-token logits [V], or None while its prompt (or replay)
+        still has rows to go. A lost peer makes the step wait for the next plan and
+        replay every session of the batch from position 0."""
         failed_term: int | None = None
         while True:
             plan = await self._wait_plan(failed_term)
-            start = session.cached if session.term == plan.term else 0
-            if start == 0 and session.cached:
-                self.replays += 1
-                log.info("session_replay", term=plan.term, tokens=len(session.tokens))
+            work = []  # (session, start, rows)
+            for s in sessions:
+                start = s.cached if s.term == plan.term else 0
+                if start == 0 and s.cached:
+                    self.replays += 1
+                    log.info("session_replay", session=s.id, term=plan.term, tokens=len(s.tokens))
+                    s.cached = 0
+                work.append((s, start, min(len(s.tokens) - start, PREFILL_CHUNK)))
             try:
-                logits = await self._run(plan, session.id, start, session.tokens[start:])
+                hidden = await self._run(plan, work)
             except PeerLost as exc:
-                log.warning("step_peer_lost", term=plan.term, reason=str(exc))
+                log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
                 failed_term = plan.term
-                session.term = None
+                for s in sessions:
+                    s.term = None
                 continue
-            session.cached, session.term = len(session.tokens), plan.term
-            return logits
+            out: dict[str, torch.Tensor | None] = {}
+            done, rows_at = [], 0
+            for s, start, rows in work:
+                s.cached, s.term = start + rows, plan.term
+                rows_at += rows
+                if s.cached == len(s.tokens):
+                    done.append((s.id, rows_at - 1))
+                else:
+                    out[s.id] = None
+            if done:
+                logits = await self._head_engine().head(hidden[[row for _, row in done]])
+                for (sid, _), row_logits in zip(done, logits):
+                    out[sid] = row_logits
+            return out
 
-    async def _run(self, plan: ActivePlan, session: str, start: int, tokens: list[int]) -> torch.Tensor:
+    async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:
         engine = self._head_engine()
-        hidden_out = None
-        for offset in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[offset: offset + PREFILL_CHUNK]
-            hidden = await engine.embed(chunk)
-            for a in plan.assignments:
-                runner = plan.runners.get(a.node)
-                if runner is None:
-                    raise PeerLost(f"no link to {a.node}")
-                hidden = await runner.forward(plan.term, session, start + offset, hidden)
-            hidden_out = hidden
-        assert hidden_out is not None, "a step needs at least one token"
-        logits = await engine.head(hidden_out[-1:])
-        return logits[-1]
+        tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
+        segments = [Segment(s.id, start, rows) for s, start, rows in work]
+        hidden = await engine.embed(tokens)
+        for a in plan.assignments:
+            runner = plan.runners.get(a.node)
+            if runner is None:
+                raise PeerLost(f"no link to {a.node}")
+            hidden = await runner.forward_batch(plan.term, segments, hidden)
+        return hidden
 
     async def release(self, session) -> None:
         """Free the session's KV caches on every stage of the plan it ran under."""

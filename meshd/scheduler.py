@@ -1,41 +1,63 @@
-"""The supernode's scheduler: turns a prompt into a stream of tokens.
+"""The supernode's scheduler: continuous batching through the pipeline.
+
+Running sessions are spread over *lanes*. Each lane loops: one batched step
+through the plan for all its sessions (a decode row each, or a prefill chunk
+for a new one), sample, repeat; sessions join and leave at every step. With one
+lane per stage, while stage B works on lane 1's batch stage A works on lane 2's
+(micro-batches in flight), so no stage idles.
 
 A session's token history (prompt + generated so far) lives here, not on the
-stages, so that after a peer is lost the pipeline can replay it through the new
-owners and decoding goes on with the same tokens (see ``Pipeline.next_logits``).
+stages, so after a peer is lost the pipeline replays it through the new owners
+and decoding goes on with the same tokens (see ``Pipeline.step``).
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
+import torch
 
+from meshd.errors import MeshError, NoCapacity
 from meshd.pipeline import Pipeline
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
+MAX_LANES = 4
+MAX_BATCH = 64  # sessions per lane step
+
 
 def new_session_id() -> str:
     return secrets.token_hex(8)
 
 
-@dataclass(slots=True)
+@dataclass(eq=False)
 class Session:
     """One generation's state on the supernode."""
 
     id: str
     tokens: list[int]
     prompt_len: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos: frozenset[int] = frozenset()
     # How many leading tokens of ``tokens`` the stages hold in their KV caches,
     # and under which plan term (another term means the caches may be gone).
     cached: int = 0
     term: int | None = None
+    reserved: int = 0  # KV positions admitted for it
+    sampler: Sampler | None = None
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None (or an exception)
+    finished: bool = False
+    # In a step now: its caches are freed only after the step, or a Drop could
+    # reach a stage before that step's rows do.
+    in_step: bool = False
+    released: bool = False
 
     @property
     def generated(self) -> list[int]:
@@ -57,12 +79,103 @@ class Usage:
     completion_tokens: int = 0
 
 
-@dataclass
+class Lane:
+    def __init__(self, index: int):
+        self.index = index
+        self.sessions: list[Session] = []
+        self.wake = asyncio.Event()
+        self.steps = 0
+
+
 class Scheduler:
-    pipeline: Pipeline
-    tokenizer: MeshTokenizer
-    active: dict[str, Session] = field(default_factory=dict)
-    _counter: itertools.count = field(default_factory=itertools.count)
+    def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None):
+        self.pipeline = pipeline
+        self.tokenizer = tokenizer
+        self.kv_budget_tokens = kv_budget_tokens
+        self.active: dict[str, Session] = {}
+        self.lanes = [Lane(i) for i in range(MAX_LANES)]
+        self.reserved_tokens = 0
+        self.tokens_generated = 0
+
+    # -- the loops (owned by the node's TaskGroup) ------------------------------------
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for lane in self.lanes:
+                tg.create_task(self._lane_loop(lane))
+
+    async def _lane_loop(self, lane: Lane) -> None:
+        while True:
+            if not lane.sessions:
+                lane.wake.clear()
+                await lane.wake.wait()
+                continue
+            batch = lane.sessions[:MAX_BATCH]
+            for s in batch:
+                s.in_step = True
+            try:
+                results = await self.pipeline.step(batch)
+            except MeshError as exc:  # NoCapacity: no plan came back in time
+                results = {}
+                for s in batch:
+                    self._finish(s, exc)
+            finally:
+                for s in batch:
+                    s.in_step = False
+                for s in batch:
+                    if s.finished:
+                        await self._release(s)
+            lane.steps += 1
+            for s in batch:
+                logits = results.get(s.id)
+                if logits is None or s.finished:
+                    continue
+                token = s.sampler.next(logits)
+                if token in s.eos:
+                    self._finish(s, None)
+                    continue
+                s.tokens.append(token)
+                self.tokens_generated += 1
+                s.out.put_nowait(token)
+                if len(s.generated) >= s.params.max_tokens:
+                    self._finish(s, None)
+
+    def _lanes_in_use(self) -> int:
+        """One lane per stage keeps every stage busy; one is enough for one stage."""
+        plan = self.pipeline.plan
+        stages = len(plan.assignments) if plan is not None else 1
+        return max(1, min(MAX_LANES, stages))
+
+    def _admit(self, session: Session) -> None:
+        need = session.prompt_len + session.params.max_tokens
+        if self.kv_budget_tokens is not None and self.reserved_tokens + need > self.kv_budget_tokens:
+            raise NoCapacity(
+                f"KV cache budget full: {self.reserved_tokens} of {self.kv_budget_tokens} positions in use, "
+                f"this request needs {need}; retry shortly"
+            )
+        session.reserved = need
+        self.reserved_tokens += need
+        self.active[session.id] = session
+        lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
+        lane.sessions.append(session)
+        lane.wake.set()
+
+    async def _release(self, session: Session) -> None:
+        if not session.released and not session.in_step:
+            session.released = True
+            await self.pipeline.release(session)
+
+    def _finish(self, session: Session, error: BaseException | None) -> None:
+        """Take the session out of its lane; its generator sees the end (or the error)."""
+        if session.finished:
+            return
+        session.finished = True
+        for lane in self.lanes:
+            if session in lane.sessions:
+                lane.sessions.remove(session)
+        session.out.put_nowait(error)
+
+    # -- one client's generation --------------------------------------------------------
 
     async def generate(
         self,
@@ -73,48 +186,58 @@ class Scheduler:
     ) -> AsyncIterator[Chunk]:
         """Stream chunks for one choice. ``history`` resumes a generation whose
         first tokens were already produced (a resubmission after a supernode loss)."""
-        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids))
-        sampler = Sampler(params)
-        # A resumed request must sample the same way the lost supernode would
-        # have: advance the seeded sampler past the tokens already produced.
+        assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
+        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
+                          self.tokenizer.eos_ids, sampler=Sampler(params))
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
             decoder.push(tok)
-        eos = self.tokenizer.eos_ids
-        self.active[session.id] = session
         structlog.contextvars.bind_contextvars(session=session.id)
-        log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
-        pending = ""
-        pending_ids: list[int] = []
-        finish = "length"
+        self._admit(session)
+        log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
+                 resumed=len(session.generated))
+        t0 = time.monotonic()
+        pending, pending_ids, finish = "", [], "length"
+        delivered = len(session.generated)
         try:
-            while len(session.generated) < params.max_tokens:
-                logits = await self.pipeline.next_logits(session)
-                token = sampler.next(logits)
-                if token in eos:
-                    finish = "stop"
+            if len(session.generated) >= params.max_tokens:
+                self._finish(session, None)
+            while True:
+                item = await session.out.get()
+                if item is None:
+                    # The lane ended it: EOS, or max_tokens reached.
+                    finish = "stop" if delivered < params.max_tokens else "length"
                     break
-                session.tokens.append(token)
-                pending_ids.append(token)
-                pending += decoder.push(token)
+                if isinstance(item, BaseException):
+                    raise item
+                delivered += 1
+                pending_ids.append(item)
+                pending += decoder.push(item)
                 cut = find_stop(pending, params.stop)
                 if cut is not None:
-                    pending = pending[:cut]
-                    finish = "stop"
+                    pending, finish = pending[:cut], "stop"
                     break
                 hold = stop_holdback(pending, params.stop)
                 ready, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
                 if ready or pending_ids:
                     yield Chunk(ready, tuple(pending_ids))
                     pending_ids = []
-            else:
+            if finish == "length":
                 pending += decoder.flush()
             yield Chunk(pending, tuple(pending_ids), finish)
         finally:
+            self._finish(session, None)
+            self.active.pop(session.id, None)
+            self.reserved_tokens -= session.reserved
             if usage is not None:
                 usage.prompt_tokens += len(prompt_ids)
-                usage.completion_tokens += len(session.generated)
-            del self.active[session.id]
-            await self.pipeline.release(session)
-            log.info("session_finished", tokens=len(session.generated), finish=finish)
+                usage.completion_tokens += delivered
+            await self._release(session)
+            log.info("session_finished", tokens=delivered, finish=finish,
+                     seconds=round(time.monotonic() - t0, 3))
             structlog.contextvars.unbind_contextvars("session")
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV cache bytes one position costs across every layer of the model."""
+    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * torch.empty(0, dtype=dtype).element_size()

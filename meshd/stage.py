@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,12 +25,15 @@ from protocol.messages import (
     Drop,
     Fail,
     Forward,
+    ForwardBatch,
     Hello,
     Message,
     NodeId,
     Plan,
     Reject,
     Result,
+    ResultBatch,
+    Segment,
 )
 from shards.engine import StageEngine
 from shards.manifest import MANIFEST_FILE, Manifest
@@ -45,10 +49,14 @@ NOT_MY_SUPERNODE = "not my supernode"
 STALE_TERM = re.compile(r"stale term: this peer is at term (\d+)")
 
 
-async def run_span(node: Node, engine: StageEngine, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
+async def run_span(node: Node, engine: StageEngine, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
     if node.config.debug_layer_delay_ms and engine.span is not None:
         await asyncio.sleep(node.config.debug_layer_delay_ms * len(engine.span) / 1000.0)
-    return await engine.forward(session, start, hidden.to(engine.device, engine.dtype))
+    began = time.monotonic()
+    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments],
+                                     hidden.to(engine.device, engine.dtype))
+    node.metrics.forwarded(hidden.shape[0], time.monotonic() - began)
+    return out
 
 
 class LocalRunner:
@@ -58,8 +66,8 @@ class LocalRunner:
         self.node = node
         self.engine = engine
 
-    async def forward(self, term: int, session: str, start: int, hidden: torch.Tensor) -> torch.Tensor:
-        return await run_span(self.node, self.engine, session, start, hidden)
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        return await run_span(self.node, self.engine, segments, hidden)
 
     async def drop(self, term: int, session: str) -> None:
         self.engine.drop(session)
@@ -78,7 +86,10 @@ async def handle(node: Node, link: Link, msg: Message) -> None:
         case Commit():
             on_commit(node, link, msg)
         case Forward():
-            node.spawn(serve_forward(node, link, msg))
+            segments = [Segment(msg.session, msg.start, msg.hidden.shape[0] if msg.hidden.dim() == 2 else 0)]
+            node.spawn(serve_forward(node, link, msg.term, msg.req, segments, msg.hidden, single=msg.session))
+        case ForwardBatch():
+            node.spawn(serve_forward(node, link, msg.term, msg.req, list(msg.segments), msg.hidden))
         case Drop(session=session):
             if node.engine is not None:
                 node.engine.drop(session)
@@ -135,19 +146,25 @@ def on_commit(node: Node, link: Link, commit: Commit) -> None:
     node.spawn(replicate(node))
 
 
-async def serve_forward(node: Node, link: Link, msg: Forward) -> None:
+async def serve_forward(node: Node, link: Link, term: int, req: int, segments: list[Segment],
+                        hidden: torch.Tensor, single: str | None = None) -> None:
+    """Run a Forward (``single`` session) or ForwardBatch frame through this
+    peer's span and answer with Result / ResultBatch, or Fail."""
     plan, engine = node.plan, node.engine
-    if plan is None or msg.term != plan.term or link.peer_id != plan.supernode or engine is None:
-        log.warning("stale_frame_dropped", peer=link.peer_id, term=msg.term, mine=plan.term if plan else None)
-        await _reply(link, Fail(msg.term, msg.req, f"stale or unknown term {msg.term}"))
+    if plan is None or term != plan.term or link.peer_id != plan.supernode or engine is None:
+        log.warning("stale_frame_dropped", peer=link.peer_id, term=term, mine=plan.term if plan else None)
+        await _reply(link, Fail(term, req, f"stale or unknown term {term}"))
         return
     try:
-        out = await run_span(node, engine, msg.session, msg.start, msg.hidden)
+        out = await run_span(node, engine, segments, hidden)
     except MeshError as exc:
-        log.warning("forward_failed", session=msg.session, error=str(exc))
-        await _reply(link, Fail(msg.term, msg.req, str(exc)))
+        log.warning("forward_failed", sessions=len(segments), error=str(exc))
+        await _reply(link, Fail(term, req, str(exc)))
         return
-    await _reply(link, Result(msg.term, msg.session, msg.req, out))
+    if single is not None:
+        await _reply(link, Result(term, single, req, out))
+    else:
+        await _reply(link, ResultBatch(term, req, out))
 
 
 # -- model files -------------------------------------------------------------------
