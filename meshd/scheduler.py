@@ -130,7 +130,7 @@ class Scheduler:
                 logits = results.get(s.id)
                 if logits is None or s.finished:
                     continue
-                token = s.sampler.next(logits)
+                token = s.sampler.next(logits, len(s.generated))
                 if token in s.eos:
                     self._finish(s, None)
                     continue

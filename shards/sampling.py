@@ -32,16 +32,21 @@ class SamplingParams:
 
 
 class Sampler:
+    """Draws are keyed by (seed, step), not by a running generator: a generation
+    resumed at step k elsewhere (after a supernode loss) draws what the lost one
+    would have drawn."""
+
     def __init__(self, params: SamplingParams):
         self.params = params
+        self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator(device="cpu")
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self._step = 0
 
-    def next(self, logits: Tensor) -> int:
-        """One token id from logits [V]."""
+    def next(self, logits: Tensor, step: int | None = None) -> int:
+        """One token id from logits [V]; ``step`` is the index of the token being drawn."""
+        step = self._step if step is None else step
+        self._step = step + 1
+        self.generator.manual_seed((self.seed * 1_000_003 + step) % 2**63)
         logits = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         p = self.params
         if p.temperature == 0.0:
