@@ -76,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
     csub = cfg.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the effective configuration (no secret)")
     show.add_argument("--config", type=Path)
+
+    svc = sub.add_parser("install-service", help="install the systemd unit, /etc/meshd/meshd.toml and a secret")
+    svc.add_argument("--root", type=Path, default=Path("/"), help="install under this directory (default /)")
+    svc.add_argument("--exec", dest="exec_path", help="meshd command for ExecStart (default: this one)")
+    svc.add_argument("--enable", action="store_true", help="then systemctl enable --now meshd")
     return top
 
 
@@ -179,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                 return run_demo(args)
             case "config":
                 return cmd_config(args)
+            case "install-service":
+                from meshd.service import install
+
+                install(args.root, args.exec_path, args.enable)
+                return 0
     except ConfigError as exc:
         print(f"meshd: configuration error: {exc}", file=sys.stderr)
         return 2
