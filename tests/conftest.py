@@ -2,7 +2,6 @@
 
 pytest_plugins = [
     "tests.fixtures.models",
-    "tests.fixtures.daemon",
     "tests.fixtures.netlab",
     "tests.fixtures.mesh",
 ]
