@@ -1,4 +1,4 @@
-"""HTTP API on every peer: the OpenAI-compatible endpoints, /status, /healthz.
+"""HTTP API on every peer: the OpenAI-compatible endpoints, /status, /healthz, /metrics, the dashboard.
 
 The handler is one of the three places errors are caught: a MeshError becomes a
 4xx/5xx JSON body, and the daemon goes on serving.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from meshd.openai import (
 )
 from meshd.proxy import proxy_completion
 from meshd.scheduler import Usage
+from meshd.transfer import AUTH_HEADER, check_files_token
 
 if TYPE_CHECKING:
     from meshd.node import Node
@@ -59,6 +61,41 @@ async def errors_middleware(request: web.Request, handler):
     except MeshError as exc:
         log.warning("request_failed", path=request.path, error=str(exc))
         return error_response(str(exc), 500)
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    return value[7:].strip() if value.lower().startswith("bearer ") else None
+
+
+def _mesh_peer(request: web.Request) -> bool:
+    """A request a peer forwarded for a client it authenticated itself."""
+    token = request.headers.get(AUTH_HEADER)
+    if not token:
+        return False
+    try:
+        check_files_token(request.app[NODE].secret, token, request.path)
+    except web.HTTPForbidden:
+        return False
+    return True
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
+    /healthz, /status, /metrics and the dashboard stay open and read-only."""
+    node = request.app[NODE]
+    if request.path.startswith("/v1/"):
+        keys = node.api_keys
+        if request.path.startswith("/v1/mesh/"):
+            keys = node.control_keys or node.api_keys
+        if keys and not _mesh_peer(request):
+            given = _bearer(request)
+            if given is None:
+                return error_response("this endpoint needs an API key: Authorization: Bearer KEY", 401)
+            if not any(hmac.compare_digest(given, k) for k in keys):
+                return error_response("invalid API key", 403 if request.path.startswith("/v1/mesh/") else 401)
+    return await handler(request)
 
 
 async def read_json(request: web.Request):
@@ -107,9 +144,9 @@ async def _whole(node: Node, req: CompletionRequest) -> web.Response:
 
     async def one(index: int) -> dict:
         text, ids, finish = [], [], None
-        async for chunk in node.scheduler.generate(
+        async for chunk in node.metrics.observe(node.scheduler.generate(
             req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
-        ):
+        )):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             finish = chunk.finish_reason or finish
@@ -133,9 +170,9 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
     async def one(index: int) -> None:
         first = True
         try:
-            async for chunk in node.scheduler.generate(
+            async for chunk in node.metrics.observe(node.scheduler.generate(
                 req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
-            ):
+            )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)
                 first = False
@@ -210,16 +247,17 @@ async def drain(request: web.Request) -> web.Response:
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
     if not node.is_supernode:
         base = await node.supernode_base_url()
-        async with node.http.post(base + request.path, json=body, headers=_forwarded_auth(request)) as up:
+        async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 
 
-def _forwarded_auth(request: web.Request) -> dict:
-    return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-meshd-auth")}
-
-
 def add_routes(app: web.Application) -> None:
+    from meshd import dashboard, metrics
+
+    app.middlewares.insert(0, metrics.count_requests)  # outermost: sees the status the client gets
+    app.router.add_get("/metrics", metrics.handle_metrics)
+    dashboard.add_routes(app)
     app.router.add_post("/v1/mesh/drain", drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -49,6 +49,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--log-level")
+    run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
+    run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
+    run.add_argument("--tls-cert", type=Path, help="certificate for the API and peer links")
+    run.add_argument("--tls-key", type=Path)
+    run.add_argument("--tls-ca", type=Path, help="CA to verify peers' certificates")
     run.add_argument("--debug-layer-delay-ms", type=float, help=argparse.SUPPRESS)
 
     model = sub.add_parser("model", help="fetch, convert and list models")

@@ -70,6 +70,16 @@ class Config:
     # supernode admits before answering 503; None: a quarter of the memory budget.
     kv_budget_tokens: int | None = None
     log_level: str = "info"
+    # HTTP API keys (one per line): when set, completions and models need
+    # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,
+    # or an API key when no control key file is set.
+    api_key_file: Path | None = None
+    control_key_file: Path | None = None
+    # TLS for the API and peer links (every peer of a mesh alike); tls_ca, when
+    # set, is used to verify peers' certificates (the mesh HMAC authenticates them either way).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
     # Testing and benchmarks only: extra milliseconds per layer on every forward,
     # to simulate a slow box (or to make a generation last long enough to fault).
     debug_layer_delay_ms: float = 0.0
@@ -85,6 +95,8 @@ class Config:
             raise ConfigError("mesh: must be 1-63 characters")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:
             raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together")
         for addr in self.peer:
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -108,6 +120,21 @@ class Config:
         if len(secret) < 16:
             raise ConfigError(f"secret_file: {path} holds fewer than 16 bytes")
         return secret
+
+    def load_keys(self, path: Path | None) -> frozenset[str]:
+        if path is None:
+            return frozenset()
+        try:
+            keys = frozenset(line.strip() for line in path.read_text().splitlines() if line.strip())
+        except OSError as exc:
+            raise ConfigError(f"key file {path}: {exc}") from None
+        if not keys:
+            raise ConfigError(f"key file {path} holds no key")
+        return keys
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as plain values (no secret is ever held here)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,19 @@ def load_node_id(state_dir: Path) -> NodeId:
     return NodeId(node_id)
 
 
+def tls_contexts(config: Config) -> tuple[ssl.SSLContext | None, ssl.SSLContext | bool]:
+    """(server context, what the client side verifies with): no TLS unless configured."""
+    if config.tls_cert is None:
+        return None, True
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_ca is None:
+        return server, False  # encrypted; peers are authenticated by the mesh HMAC
+    client = ssl.create_default_context(cafile=str(config.tls_ca))
+    client.check_hostname = False  # peers are found by address, not name
+    return server, client
+
+
 def url_host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
@@ -76,6 +90,8 @@ class Node:
         self.node_id = load_node_id(config.state_dir)
         self.device = pick_device(config.device)
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret)
+        self.api_keys = config.load_keys(config.api_key_file)
+        self.control_keys = config.load_keys(config.control_key_file)
         self.links: dict[NodeId, Link] = {}
         self.lost: dict[NodeId, LostPeer] = {}
         self.adverts: dict[NodeId, Advert] = {}
@@ -177,7 +193,8 @@ class Node:
     # -- running -------------------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[api.errors_middleware])
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[api.auth_middleware, api.errors_middleware])
         app[api.NODE] = self
         api.add_routes(app)
         app.router.add_get("/mesh/ws", self._ws_handler)
@@ -186,10 +203,12 @@ class Node:
 
     async def run(self, stop: asyncio.Event, on_ready=None, watchdog=None) -> None:
         """Serve until ``stop`` is set, then shut down in order."""
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5))
+        server_tls, client_tls = tls_contexts(self.config)
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5),
+                                          connector=aiohttp.TCPConnector(ssl=client_tls))
         runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
+        site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
         await site.start()
         log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
                  port=self.config.port, device=self.device, vram=self.caps.vram, model=self.model_name,
@@ -296,7 +315,7 @@ class Node:
             await asyncio.sleep(0.5)
 
     async def _dial(self, key: str, host: str, port: int) -> None:
-        url = f"ws://{url_host(host)}:{port}/mesh/ws"
+        url = f"{'wss' if self.config.tls_cert else 'ws'}://{url_host(host)}:{port}/mesh/ws"
         try:
             try:
                 ws = await self.http.ws_connect(
@@ -523,7 +542,7 @@ class Node:
         try:
             base = await asyncio.wait_for(self.supernode_base_url(), 2.0)
             path = "/v1/mesh/drain"
-            headers = {AUTH_HEADER: files_token(self.secret, self.node_id, path)}
+            headers = self.mesh_auth(path)
             timeout = aiohttp.ClientTimeout(total=self.config.drain_timeout_s)
             async with self.http.post(base + path, json={"node": self.node_id}, headers=headers,
                                       timeout=timeout) as resp:
@@ -537,9 +556,16 @@ class Node:
         plan = self.pipeline.plan if self.is_supernode else self.plan
         return plan.term if plan is not None else 0
 
+    def mesh_auth(self, path: str) -> dict[str, str]:
+        """The header that lets a peer's API take a request we forward."""
+        return {AUTH_HEADER: files_token(self.secret, self.node_id, path)}
+
+    def peer_url(self, link: Link) -> str:
+        return f"{self.config.scheme}://{url_host(link.addr)}:{link.caps.api_port}"
+
     def own_url(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{url_host(host)}:{self.config.port}"
+        return f"{self.config.scheme}://{url_host(host)}:{self.config.port}"
 
     async def _wait_for(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -554,7 +580,7 @@ class Node:
         if self.is_supernode:
             return self.own_url()
         link = self.links[self.supernode]
-        return f"http://{url_host(link.addr)}:{link.caps.api_port}"
+        return self.peer_url(link)
 
     async def wait_new_term(self, term: int) -> None:
         """After losing the supernode mid-request: wait for the plan of the next one."""

@@ -97,7 +97,8 @@ async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -
         # as long as the heartbeat allows means it is hung or cut off.
         silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
         try:
-            async with node.http.post(url, json=upstream_body, timeout=silence) as up:
+            async with node.http.post(url, json=upstream_body, timeout=silence,
+                                      headers=node.mesh_auth(request.path)) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
                     payload = await up.read()

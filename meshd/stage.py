@@ -171,13 +171,11 @@ async def serve_forward(node: Node, link: Link, term: int, req: int, segments: l
 
 
 def _source_urls(node: Node, sources) -> list[tuple[NodeId, str]]:
-    from meshd.node import url_host
-
     out = []
     for pid in sources:
         link = node.links.get(pid)
         if pid != node.node_id and link is not None and link.alive:
-            out.append((pid, f"http://{url_host(link.addr)}:{link.caps.api_port}"))
+            out.append((pid, node.peer_url(link)))
     return out
 
 
