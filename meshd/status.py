@@ -54,6 +54,7 @@ def build_status(node: Node) -> dict:
         "serving": node.serves(),
         "uptime_s": round(time.time() - node.started, 1),
         "sessions": node.engine.sessions if node.engine is not None else 0,
+        **node.metrics.status_fields(),  # memory in use, tokens/s
     }
     peers = [{
         "id": node.node_id, "name": node.config.name, "addr": me["addr"], "role": me["role"],
