@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "tests.fixtures.models",
+    "tests.fixtures.daemon",
     "tests.fixtures.netlab",
     "tests.fixtures.mesh",
 ]
