@@ -206,15 +206,17 @@ class Node:
         server_tls, client_tls = tls_contexts(self.config)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5),
                                           connector=aiohttp.TCPConnector(ssl=client_tls))
-        runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
-        await site.start()
-        log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
-                 port=self.config.port, device=self.device, vram=self.caps.vram, model=self.model_name,
-                 has_model=self.manifest is not None)
+        # A client that hangs up cancels its handler, so its sessions are freed at once.
+        runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s,
+                               handler_cancellation=True)
         discovery = None
         try:
+            await runner.setup()
+            site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
+            await site.start()
+            log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
+                     port=self.config.port, device=self.device, vram=self.caps.vram, model=self.model_name,
+                     has_model=self.manifest is not None)
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 if self.config.mdns:
