@@ -54,6 +54,14 @@ def build_status(node: Node) -> dict:
         "serving": node.serves(),
         "uptime_s": round(time.time() - node.started, 1),
         "sessions": node.engine.sessions if node.engine is not None else 0,
+        "scheduler": {
+            "active": len(node.scheduler.active),
+            "steps": sum(lane.steps for lane in node.scheduler.lanes),
+            "tokens_generated": node.scheduler.tokens_generated,
+            "kv_reserved": node.scheduler.reserved_tokens,
+            "kv_budget": node.scheduler.kv_budget_tokens,
+            "replays": node.pipeline.replays,
+        },
         **node.metrics.status_fields(),  # memory in use, tokens/s
     }
     peers = [{
