@@ -447,6 +447,9 @@ class Node:
                 except TimeoutError:
                     break
             self._loss_pending = False
+            # An urgent change skips the settling loop, which is what clears the
+            # event: left set, it made a second re-plan (and replay) 1 s later.
+            self._view_changed.clear()
             self._reelect()
 
     def view_changed(self, reason: str, urgent: bool = False) -> None:
