@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--tls-key", type=Path)
     run.add_argument("--tls-ca", type=Path, help="CA to verify peers' certificates")
     run.add_argument("--debug-layer-delay-ms", type=float, help=argparse.SUPPRESS)
+    run.add_argument("--debug-link-delay-ms", type=float, help=argparse.SUPPRESS)
+    run.add_argument("--debug-link-jitter-ms", type=float, help=argparse.SUPPRESS)
 
     model = sub.add_parser("model", help="fetch, convert and list models")
     msub = model.add_subparsers(dest="model_command", required=True)

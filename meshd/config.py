@@ -83,6 +83,10 @@ class Config:
     # Testing and benchmarks only: extra milliseconds per layer on every forward,
     # to simulate a slow box (or to make a generation last long enough to fault).
     debug_layer_delay_ms: float = 0.0
+    # Benchmarks only, where the kernel has no netem: one-way delay (± jitter)
+    # added to every frame this peer sends.
+    debug_link_delay_ms: float = 0.0
+    debug_link_jitter_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -372,6 +372,8 @@ class Node:
         return ws
 
     async def _serve_link(self, link: Link) -> None:
+        if self.config.debug_link_delay_ms:
+            link.simulate_delay(self.config.debug_link_delay_ms, self.config.debug_link_jitter_ms)
         if not self._register(link):
             await link.close("duplicate link", CLOSE_DUPLICATE)
             return

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import itertools
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -139,6 +140,8 @@ class Link:
         self._ping = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._send_lock = asyncio.Lock()
+        self._delay = (0.0, 0.0)
+        self._last_due = 0.0
 
     @property
     def caps(self):
@@ -148,10 +151,23 @@ class Link:
     def alive(self) -> bool:
         return self.state is LinkState.READY
 
+    def simulate_delay(self, delay_ms: float, jitter_ms: float) -> None:
+        """Benchmarks on kernels without netem: hold each frame back ``delay_ms``
+        (± ``jitter_ms``), in order, as a slow link would."""
+        self._delay = (delay_ms / 1000.0, jitter_ms / 1000.0)
+
+    async def _delayed(self) -> None:
+        delay, jitter = self._delay
+        due = max(self._last_due, time.monotonic() + delay + random.uniform(-jitter, jitter))
+        self._last_due = due
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+
     async def send(self, msg: Message) -> None:
         if not self.alive:
             raise PeerLost(f"link to {self.peer_id} is closed: {self.close_reason}")
         data = encode(msg)
+        if self._delay[0] > 0:
+            await self._delayed()
         try:
             async with self._send_lock:
                 await self.ws.send_bytes(data)
