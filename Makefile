@@ -33,7 +33,9 @@ test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: model
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python bench/bench_single.py
+	$(BIN)/python bench/bench_throughput.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
