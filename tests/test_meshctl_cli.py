@@ -191,7 +191,8 @@ def test_exit_codes_when_nobody_answers_or_the_mesh_cannot_serve(tiny_model_dir,
     log = open(tmp_path / "nomodel.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "meshd.cli", "run", "--no-mdns", "--host", "127.0.0.1",
                              "--port", str(port), "--state-dir", str(tmp_path / "s"), "--model", "no-such-model",
-                             "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, env=daemon_env())
+                             "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
+                            env=daemon_env() | {"MESHD_FAILOVER_WAIT_S": "1"})  # a 503 without waiting 30 s
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
