@@ -116,6 +116,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     node = request.app[NODE]
+    if node.stopping:
+        raise NoCapacity("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
     if not node.is_supernode:
         return await proxy_completion(node, request, body, chat)

@@ -105,6 +105,7 @@ class Node:
         self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
         self.pending_replies: dict[NodeId, asyncio.Future] = {}  # supernode: Accept/Reject per peer
         self.replicating = False
+        self.stopping = False
         self.model_dir, self.manifest = self._local_model()
         self.pipeline = Pipeline(lambda: self.engine)
         self.scheduler = Scheduler(self.pipeline, None)
@@ -234,6 +235,7 @@ class Node:
                 self.view_changed("start")
                 await stop.wait()
                 log.info("node_stopping")
+                self.stopping = True  # new requests get a 503 from here on; those in flight finish
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
