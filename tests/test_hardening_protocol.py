@@ -1,0 +1,518 @@
+"""Hostile frames on a live link: a real node's ``/mesh/ws`` on loopback, pytest as the peer.
+
+One in-process node on the tiny model (its own supernode, all layers) with a 1 MiB frame
+limit. Before the HMAC handshake is done no model frame is acted on: a Forward or a Plan
+in place of Hello or Auth, a wrong or empty MAC, a handshake replayed from an earlier
+connection, a MAC reflected from a second connection, silence: each closes that socket
+(4001) with a logged reason and runs nothing. After a good handshake: oversize frames,
+dtypes off the list, tensors whose bytes do not match their shape, unknown tags, a
+ForwardBatch whose rows are not its hidden's, close that link alone (logged); a Forward of
+a term the node is not at, or for a session the stage never saw (start > 0), or of the
+wrong width, is answered by Fail and nothing else changes. After every case the node
+still serves the same greedy completion as before.
+
+Last, atheris (when installed) fuzzes ``protocol.codec.decode`` for a bounded time in a
+child process: any exception but ProtocolError, a hang (per-input timeout) or memory over
+the RSS limit fails it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import re
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import aiohttp
+import msgpack
+import pytest
+import pytest_asyncio
+import torch
+from structlog.testing import capture_logs
+
+from meshd.peers import CLOSE_AUTH, CLOSE_PROTOCOL, LocalIdentity, auth_mac, handshake
+from protocol.codec import decode, encode, pack_tensor
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Accept,
+    Assignment,
+    Auth,
+    Capabilities,
+    Commit,
+    Drop,
+    Fail,
+    Forward,
+    ForwardBatch,
+    Hello,
+    NodeId,
+    Ping,
+    Plan,
+    Pong,
+    Result,
+    ResultBatch,
+    Segment,
+    SessionId,
+)
+from shards.manifest import Manifest
+from shards.span import Span
+from tests.fixtures.daemon import running_node
+
+pytestmark = pytest.mark.timeout(240)
+LIVE = pytest.mark.asyncio(loop_scope="module")
+
+MAX_FRAME = 1 << 20  # the node's limit here, so that oversize is cheap to send
+PROMPT = "A mesh of small machines"
+MAX_TOKENS = 12
+CLOSE_WAIT_S = 10.0
+SERVE_WAIT_S = 30.0
+ATHERIS_SECONDS = 15
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def node(tiny_model_dir, tmp_path_factory):
+    async with running_node(tiny_model_dir, tmp_path_factory.mktemp("hostile-state"),
+                            max_frame_bytes=MAX_FRAME, heartbeat_s=0.5) as served:
+        yield served
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def hidden_size(tiny_model_dir) -> int:
+    return Manifest.load(tiny_model_dir).config.hidden_size
+
+
+async def completion(http, url: str) -> list[int]:
+    """The node's greedy tokens for PROMPT, once it serves again (a peer joining or
+    leaving makes it re-plan)."""
+    deadline = time.monotonic() + SERVE_WAIT_S
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    last = None
+    while time.monotonic() < deadline:
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            data = await resp.json()
+            if resp.status == 200:
+                return data["choices"][0]["token_ids"]
+            last = (resp.status, data)
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the node stopped serving: last answer {last}")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def reference(node, http) -> list[int]:
+    return await completion(http, node.url)
+
+
+def caps(vram: int = 0) -> Capabilities:
+    return Capabilities(vram=vram, ram=0, device="cpu", api_port=1, mem_budget=0, layer_ms=0.0)
+
+
+def identity(secret: bytes, node_id: str | None = None) -> LocalIdentity:
+    return LocalIdentity(NodeId(node_id or "f" + secrets.token_hex(5)), "pytest-hostile", "home", secret)
+
+
+@contextlib.asynccontextmanager
+async def raw_ws(http, url: str):
+    async with http.ws_connect(url + "/mesh/ws", max_msg_size=64 << 20, compress=0) as ws:
+        yield ws
+
+
+async def closed_code(ws, timeout: float = CLOSE_WAIT_S) -> int | None:
+    """Read until the server closes; its close code (frames it sent are skipped)."""
+    async with asyncio.timeout(timeout):
+        async for _ in ws:
+            pass
+    return ws.close_code
+
+
+async def server_hello(ws) -> Hello:
+    msg = await ws.receive(timeout=CLOSE_WAIT_S)
+    assert msg.type == aiohttp.WSMsgType.BINARY, msg
+    hello = decode(msg.data)
+    assert isinstance(hello, Hello)
+    return hello
+
+
+def events(logs, name: str) -> list[dict]:
+    return [e for e in logs if e.get("event") == name]
+
+
+SERVED: list[int] = []  # one entry per Forward/ForwardBatch frame a peer got the stage to act on
+
+
+@pytest.fixture(scope="module", autouse=True)
+def count_served_forwards():
+    """Counts the frames that reach the stage's forward handler (``meshd.stage.serve_forward``)."""
+    from meshd import stage
+
+    real = stage.serve_forward
+
+    async def counting(*args, **kwargs):
+        SERVED.append(1)
+        return await real(*args, **kwargs)
+
+    stage.serve_forward = counting
+    yield
+    stage.serve_forward = real
+
+
+def forwarded(node) -> int:
+    return len(SERVED)
+
+
+async def assert_serves(node, http, reference) -> None:
+    assert await completion(http, node.url) == reference
+
+
+# -- before the handshake ------------------------------------------------------------------
+
+
+def forward_frame(hidden_size: int, term: int = 1, start: int = 0, session: str = "s-hostile") -> bytes:
+    return encode(Forward(term, SessionId(session), 1, start, torch.randn(1, hidden_size)))
+
+
+def plan_frame(sender: str, target: str, term: int = 10**6) -> bytes:
+    return encode(Plan(term, NodeId(sender), "tiny-llama", "0" * 64, (Assignment(NodeId(target), Span(0, 6)),)))
+
+
+@LIVE
+async def test_model_frames_before_the_handshake_are_refused(node, http, reference, hidden_size):
+    secret = node.node.secret
+    target = node.node.node_id
+    engine_before, rows_before, term_before = node.node.engine, forwarded(node), node.node.term
+    me = identity(secret)
+    cases = {
+        "forward instead of hello": [forward_frame(hidden_size)],
+        "plan instead of hello": [plan_frame(me.node_id, target)],
+        "forward instead of auth": [encode(me.hello(caps(vram=1 << 50))), forward_frame(hidden_size)],
+        "plan instead of auth": [encode(me.hello(caps(vram=1 << 50))), plan_frame(me.node_id, target)],
+        "text frame": ["hello"],
+    }
+    with capture_logs() as logs:
+        for what, frames in cases.items():
+            async with raw_ws(http, node.url) as ws:
+                await server_hello(ws)
+                for f in frames:
+                    await (ws.send_str(f) if isinstance(f, str) else ws.send_bytes(f))
+                code = await closed_code(ws)
+                assert code == CLOSE_AUTH, f"{what}: closed with {code}"
+    refused = events(logs, "peer_refused")
+    assert len(refused) == len(cases), refused
+    assert all(r.get("reason") for r in refused), refused
+    # Nothing ran and nothing was planned: same engine, no rows, no term from outside.
+    assert node.node.engine is engine_before and forwarded(node) == rows_before
+    assert node.node.term == term_before and not node.node.links
+    await assert_serves(node, http, reference)
+
+
+async def handshake_by_hand(ws, hello_frame: bytes, auth_frame_for) -> Hello:
+    """Our Hello, the server's Hello, then the Auth frame ``auth_frame_for(server_hello)``."""
+    theirs = await server_hello(ws)
+    await ws.send_bytes(hello_frame)
+    server_auth = await ws.receive(timeout=CLOSE_WAIT_S)  # the server proves itself first
+    assert isinstance(decode(server_auth.data), Auth)
+    await ws.send_bytes(auth_frame_for(theirs))
+    return theirs
+
+
+@LIVE
+async def test_wrong_missing_replayed_and_reflected_auth_are_refused(node, http, reference):
+    secret = node.node.secret
+    target = node.node.node_id
+    legit = identity(secret)
+    wrong = os.urandom(32)
+    with capture_logs() as logs:
+        # A legitimate handshake, recorded: its Hello and its Auth bytes.
+        recorded: list[bytes] = []
+        async with raw_ws(http, node.url) as ws:
+            send = ws.send_bytes
+
+            async def record(data, *a, **kw):
+                recorded.append(bytes(data))
+                return await send(data, *a, **kw)
+
+            ws.send_bytes = record
+            first = await handshake(ws, legit, caps())
+            assert first.node_id == target
+            nonce_1 = first.nonce
+        hello_bytes, auth_bytes = recorded
+        await asyncio.sleep(0.3)
+
+        async def refused(what: str, auth_for, hello=hello_bytes) -> None:
+            async with raw_ws(http, node.url) as ws:
+                theirs = await handshake_by_hand(ws, hello, auth_for)
+                assert theirs.nonce != nonce_1, "the server reused a nonce"
+                code = await closed_code(ws)
+                assert code == CLOSE_AUTH, f"{what}: closed with {code}"
+
+        await refused("wrong secret", lambda h: encode(Auth(auth_mac(wrong, h.nonce, legit.node_id, target))))
+        await refused("empty mac", lambda h: encode(Auth(b"")))
+        await refused("replayed auth", lambda h: auth_bytes)
+        # A MAC of the right secret over the new nonce but for another sender id.
+        other = identity(secret).node_id
+        await refused("mac for another id", lambda h: encode(Auth(auth_mac(secret, h.nonce, other, target))))
+
+        # Reflection: the server's own Auth on one connection, fed back on another whose
+        # challenge we made equal to it. Sender and receiver are in the MAC, so it fails.
+        async with raw_ws(http, node.url) as ws_a:
+            hello_a = await server_hello(ws_a)
+            async with raw_ws(http, node.url) as ws_b:
+                await server_hello(ws_b)
+                me = legit.hello(caps())
+                await ws_b.send_bytes(encode(Hello(me.version, me.node_id, me.mesh, me.name, hello_a.nonce, me.caps)))
+                reflected = (await ws_b.receive(timeout=CLOSE_WAIT_S)).data
+                assert isinstance(decode(reflected), Auth)
+            await ws_a.send_bytes(hello_bytes)
+            await ws_a.receive(timeout=CLOSE_WAIT_S)  # its Auth for us
+            await ws_a.send_bytes(reflected)
+            assert await closed_code(ws_a) == CLOSE_AUTH
+
+        # No Auth at all: the handshake times out, and the socket is closed.
+        async with raw_ws(http, node.url) as ws:
+            await server_hello(ws)
+            await ws.send_bytes(hello_bytes)
+            assert await closed_code(ws, timeout=15) == CLOSE_AUTH
+
+        # Wrong protocol version and wrong mesh: refused at the Hello.
+        for bad in (Hello(PROTOCOL_VERSION + 1, legit.node_id, "home", "x", os.urandom(16), caps()),
+                    Hello(PROTOCOL_VERSION, legit.node_id, "other-mesh", "x", os.urandom(16), caps())):
+            async with raw_ws(http, node.url) as ws:
+                await server_hello(ws)
+                await ws.send_bytes(encode(bad))
+                assert await closed_code(ws) == CLOSE_AUTH
+    reasons = [r.get("reason", "") for r in events(logs, "peer_refused")]
+    assert sum("secret" in r for r in reasons) >= 5, reasons
+    assert any("timed out" in r for r in reasons), reasons
+    assert any("version" in r for r in reasons) and any("mesh" in r for r in reasons), reasons
+    # The secret itself is in no log record.
+    assert not any(secret.decode() in repr(e) for e in logs)
+    await assert_serves(node, http, reference)
+
+
+# -- after the handshake: one link's bad frames ---------------------------------------------
+
+
+class Peer:
+    """pytest as an authenticated peer: answers pings, queues everything else."""
+
+    def __init__(self, ws, me: LocalIdentity):
+        self.ws, self.me = ws, me
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for frame in self.ws:
+            if frame.type != aiohttp.WSMsgType.BINARY:
+                break
+            msg = decode(frame.data)
+            if isinstance(msg, Ping):
+                await self.ws.send_bytes(encode(Pong(msg.seq, msg.sent)))
+            else:
+                await self.inbox.put(msg)
+
+    async def next(self, kind, timeout: float = 15.0, where=lambda m: True):
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = await self.inbox.get()
+                if isinstance(msg, kind) and where(msg):
+                    return msg
+
+    async def closed(self, timeout: float = CLOSE_WAIT_S) -> int | None:
+        await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        return self.ws.close_code
+
+
+@contextlib.asynccontextmanager
+async def peer(http, url: str, secret: bytes, vram: int = 0):
+    me = identity(secret)
+    async with raw_ws(http, url) as ws:
+        await handshake(ws, me, caps(vram))
+        p = Peer(ws, me)
+        try:
+            yield p
+        finally:
+            p.task.cancel()
+            with contextlib.suppress(BaseException):
+                await p.task
+
+
+def tensor_frame(tag: str, hidden: dict, **fields) -> bytes:
+    return msgpack.packb({"t": tag, **fields, "hidden": hidden}, use_bin_type=True)
+
+
+@LIVE
+async def test_bad_frames_close_only_that_link(node, http, reference, hidden_size):
+    secret = node.node.secret
+    good = pack_tensor(torch.randn(2, hidden_size))
+    data = bytes(good["data"])
+    fwd = dict(term=1, session="s1", req=1, start=0)
+    cases = {
+        "oversize": b"\x00" * (MAX_FRAME + 1024),
+        "bad dtype": tensor_frame("forward", {"dtype": "float64", "shape": [1, hidden_size],
+                                              "data": b"\0" * 8 * hidden_size}, **fwd),
+        "object dtype": tensor_frame("forward", {"dtype": "object", "shape": [1], "data": b"\0" * 8}, **fwd),
+        "bytes short of the shape": tensor_frame("forward", {**good, "data": data[:-4]}, **fwd),
+        "bytes past the shape": tensor_frame("forward", {**good, "data": data + b"\0" * 4}, **fwd),
+        "huge shape, no bytes": tensor_frame("forward", {"dtype": "float32", "shape": [1 << 30, 1 << 30],
+                                                         "data": b""}, **fwd),
+        "negative shape": tensor_frame("forward", {"dtype": "float32", "shape": [-1, hidden_size],
+                                                   "data": b""}, **fwd),
+        "unknown tag": msgpack.packb({"t": "launch-missiles", "term": 1}),
+        "no tag": msgpack.packb({"term": 1}),
+        "not a map": msgpack.packb([1, 2, 3]),
+        "truncated": encode(Forward(1, SessionId("s1"), 1, 0, torch.randn(1, hidden_size)))[:-7],
+        "fwdb rows off hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),
+                                                           Segment(SessionId("b"), 0, 2)),
+                                                    torch.randn(2, hidden_size))),
+        "hello again": encode(identity(secret).hello(caps())),
+        "auth again": encode(Auth(os.urandom(32))),
+    }
+    rows_before = forwarded(node)
+    with capture_logs() as logs:
+        for what, frame in cases.items():
+            async with peer(http, node.url, secret) as p:
+                await p.ws.send_bytes(frame)
+                code = await p.closed()
+                assert code in (CLOSE_PROTOCOL, 1009), f"{what}: closed with {code}"
+            await assert_serves(node, http, reference)
+    closed = [e for e in events(logs, "link_closed") if e.get("reason", "") != "node stopped"]
+    assert len(closed) >= len(cases), closed
+    protocol = events(logs, "link_protocol_error")
+    assert len(protocol) >= len(cases) - 1, protocol  # oversize is aiohttp's to refuse (1009)
+    assert all(e.get("reason") for e in protocol)
+    assert forwarded(node) == rows_before, "a bad frame was run"
+
+
+@LIVE
+async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hidden_size):
+    """pytest takes the node over as its supernode (it holds the secret and advertises the
+    most VRAM), gives it every layer, then sends Forwards it must refuse by Fail."""
+    secret = node.node.secret
+    n = node.node.manifest.n_layers
+    m = node.node.manifest
+    target = node.node.node_id
+    with capture_logs() as logs:
+        async with peer(http, node.url, secret, vram=1 << 50) as p:
+            # The node yields to us, and takes a plan from us for all its layers.
+            await asyncio.sleep(0.5)
+            term = max(node.node.term, 1) + 5
+            plan = Plan(term, p.me.node_id, m.name, m.digest, (Assignment(NodeId(target), Span(0, n)),))
+            await p.ws.send_bytes(encode(plan))
+            accept = await p.next(Accept, timeout=30)
+            assert accept.term == term and accept.span == Span(0, n)
+            await p.ws.send_bytes(encode(Commit(term)))
+            await asyncio.sleep(0.2)
+            engine = node.node.engine
+            assert engine is not None and engine.span == Span(0, n)
+
+            async def ask(msg) -> object:
+                await p.ws.send_bytes(encode(msg))
+                return await p.next((Fail, Result, ResultBatch), where=lambda r: r.req == msg.req)
+
+            # A real forward runs, and makes a session on the stage.
+            ok = await ask(Forward(term, SessionId("real"), 1, 0, torch.randn(3, hidden_size)))
+            assert isinstance(ok, Result) and tuple(ok.hidden.shape) == (3, hidden_size), ok
+            assert engine.sessions == 1
+            bad = {
+                "stale term": Forward(term - 1, SessionId("real"), 2, 3, torch.randn(1, hidden_size)),
+                "future term": Forward(term + 1, SessionId("real"), 3, 3, torch.randn(1, hidden_size)),
+                "no such session": Forward(term, SessionId("ghost"), 4, 5, torch.randn(1, hidden_size)),
+                "past the cache": Forward(term, SessionId("real"), 5, 7, torch.randn(1, hidden_size)),
+                "wrong width": Forward(term, SessionId("real"), 6, 3, torch.randn(1, hidden_size + 1)),
+                "1-d hidden": Forward(term, SessionId("real"), 7, 3, torch.randn(hidden_size)),
+                "ghost in a batch": ForwardBatch(term, 8, (Segment(SessionId("real"), 3, 1),
+                                                           Segment(SessionId("ghost"), 2, 1)),
+                                                 torch.randn(2, hidden_size)),
+                "one session twice": ForwardBatch(term, 9, (Segment(SessionId("real"), 3, 1),
+                                                            Segment(SessionId("real"), 3, 1)),
+                                                  torch.randn(2, hidden_size)),
+                "past max position": Forward(term, SessionId("long"), 10, 0,
+                                             torch.randn(m.config.max_position + 1, hidden_size)),
+            }
+            for what, msg in bad.items():
+                reply = await ask(msg)
+                assert isinstance(reply, Fail), f"{what}: {reply!r}"
+                assert reply.reason, what
+            # A bad batch changed nothing: the real session is as it was, and goes on.
+            assert engine.sessions == 1 and engine.cached_length("real") == 3
+            ok = await ask(Forward(term, SessionId("real"), 11, 3, torch.randn(1, hidden_size)))
+            assert isinstance(ok, Result), ok
+            # Drops of sessions that do not exist, results nobody asked for: ignored.
+            for frame in (Drop(term, SessionId("ghost")), Result(term, SessionId("x"), 999, torch.randn(1, 2)),
+                          Fail(term, 998, "nobody asked"), ResultBatch(term, 997, torch.randn(1, 2)),
+                          Accept(term + 9, Span(0, 1))):
+                await p.ws.send_bytes(encode(frame))
+            await p.ws.send_bytes(encode(Drop(term, SessionId("real"))))
+            await p.ws.send_bytes(encode(Ping(1, 0.0)))
+            await p.next(Pong)
+            assert engine.sessions == 0
+            assert node.node.links[p.me.node_id].alive, "a frame the stage could answer closed the link"
+    assert len(events(logs, "stale_frame_dropped")) >= 2
+    assert len(events(logs, "forward_failed")) >= len(bad) - 2
+    # With us gone it is its own supernode again, and serves as before.
+    await assert_serves(node, http, reference)
+
+
+# -- atheris -----------------------------------------------------------------------------------
+
+ATHERIS_TARGET = textwrap.dedent("""
+    import sys
+    import atheris
+
+    # Only our codec is instrumented (torch and msgpack are imported first, plain).
+    import msgpack, torch
+    from meshd.errors import ProtocolError
+    import shards.span
+    with atheris.instrument_imports(include=["protocol"]):
+        from protocol import codec
+        from protocol.messages import MESSAGE_TYPES
+
+    def one(data):
+        try:
+            msg = codec.decode(data, max_size=1 << 20)
+        except ProtocolError:
+            return
+        assert isinstance(msg, MESSAGE_TYPES), type(msg)
+        codec.encode(msg)  # whatever decodes, encodes
+
+    atheris.Setup(sys.argv, one)
+    atheris.Fuzz()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_atheris_decode(tmp_path):
+    if importlib.util.find_spec("atheris") is None:
+        pytest.skip("atheris is not installed (pip install atheris)")
+    from tests.test_protocol import SAMPLES
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, msg in enumerate(SAMPLES):
+        (corpus / f"seed-{i}").write_bytes(encode(msg))
+    script = tmp_path / "fuzz_decode.py"
+    script.write_text(ATHERIS_TARGET)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(script), f"-max_total_time={ATHERIS_SECONDS}", "-timeout=2", "-rss_limit_mb=2048",
+         "-max_len=4096", "-print_final_stats=1", str(corpus)],
+        capture_output=True, text=True, timeout=ATHERIS_SECONDS + 60, cwd=root,
+        env=os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    runs = re.search(r"Done (\d+) runs in (\d+) second", out)
+    assert runs, out[-2000:]
+    print(f"\natheris: {runs.group(1)} inputs in {runs.group(2)} s, no crash, hang or leak")
+    assert int(runs.group(1)) > 1000
