@@ -85,7 +85,7 @@ async def one_stream(http: aiohttp.ClientSession, url: str, prompt: str, tokens:
     stamps = []
     async with http.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
-            return {"error": resp.status}
+            return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -107,6 +107,9 @@ async def load(url: str, streams: int, tokens: int) -> dict:
         results = await asyncio.gather(*(one_stream(http, url, PROMPTS[i % len(PROMPTS)], tokens)
                                          for i in range(streams)))
     ok = [r for r in results if "error" not in r]
+    for r in results:
+        if "error" in r:
+            print("   error:", r["error"], flush=True)
     wall = max(r["end"] for r in ok) - t0 if ok else float("nan")
     itl = sorted(x for r in ok for x in r["itl"])
     ttft = sorted(r["ttft"] for r in ok)
