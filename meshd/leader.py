@@ -17,7 +17,7 @@ import structlog
 from meshd.errors import MeshError, NoCapacity, PeerLost
 from meshd.pipeline import ActivePlan
 from meshd.placement import place, replan
-from meshd.stage import NOT_MY_SUPERNODE, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
+from meshd.stage import NOT_MY_SUPERNODE, STALE_TERM, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
 from protocol.messages import Accept, Commit, NodeId, Plan, Reject
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 # A peer whose view has not caught up rejects with NOT_MY_SUPERNODE; wait and ask again.
+# (A peer at a higher term names it, and is asked again above it at once.)
 VIEW_RETRIES = 5
 
 
@@ -65,6 +66,7 @@ async def lead(node: Node, reason: str = "") -> None:
         log.info("planning", term=term, reason=reason)
         plan = Plan(term, node.node_id, manifest.name, manifest.digest, assignments, sources=_sources(node))
         log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+        node.pending_term = term  # replies are matched by it: a stale-term Reject moves node.term
         node.pending_replies = {a.node: asyncio.get_running_loop().create_future()
                                 for a in assignments if a.node != node.node_id}
         for link in list(node.links.values()):
@@ -84,9 +86,15 @@ async def lead(node: Node, reason: str = "") -> None:
         if rejects:
             for n, why in rejects.items():
                 log.warning("plan_rejected", term=term, peer=n, reason=str(why))
-            if all(NOT_MY_SUPERNODE in str(r) for r in rejects.values()) and view_retries < VIEW_RETRIES:
+            # A stale term (this supernode restarted, its term began again at 0) is
+            # retried too, above the term the peer named: excluding the peer would
+            # leave the restarted supernode planning alone.
+            behind = [r for r in rejects.values() if NOT_MY_SUPERNODE in str(r)]
+            stale = [r for r in rejects.values() if STALE_TERM.search(str(r))]
+            if len(behind) + len(stale) == len(rejects) and view_retries < VIEW_RETRIES:
                 view_retries += 1
-                await asyncio.sleep(node.config.settle_s)
+                if behind:
+                    await asyncio.sleep(node.config.settle_s)
             else:
                 excluded.update({n: str(r) for n, r in rejects.items()})
             continue
@@ -134,7 +142,7 @@ async def _collect(node: Node, timeout: float) -> dict[NodeId, object]:
 
 def on_reply(node: Node, sender: NodeId, msg: Accept | Reject) -> None:
     future = node.pending_replies.get(sender)
-    if future is None or future.done() or msg.term != node.term:
+    if future is None or future.done() or msg.term != node.pending_term:
         log.debug("reply_ignored", peer=sender, term=msg.term)
         return
     future.set_result(msg)

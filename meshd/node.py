@@ -104,6 +104,7 @@ class Node:
         self.pending_plan: Plan | None = None  # the latest plan received, while it loads
         self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
         self.pending_replies: dict[NodeId, asyncio.Future] = {}  # supernode: Accept/Reject per peer
+        self.pending_term = 0  # supernode: the term of the plan those replies answer
         self.replicating = False
         self.stopping = False
         self.model_dir, self.manifest = self._local_model()
