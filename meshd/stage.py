@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from meshd.election import accepts_plan, elect
-from meshd.errors import MeshError, PeerLost, ProtocolError, ShardMissing
+from meshd.errors import MeshError, ModelError, PeerLost, ProtocolError, ShardMissing
 from meshd.placement import validate
 from meshd.transfer import fetch_files, fetch_manifest, missing_files
 from protocol.messages import (
@@ -67,7 +67,12 @@ class LocalRunner:
         self.engine = engine
 
     async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
-        return await run_span(self.node, self.engine, segments, hidden)
+        try:
+            return await run_span(self.node, self.engine, segments, hidden)
+        except ModelError:
+            if self.engine.closed:  # a new plan replaced our span mid-step: retry under it
+                raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
+            raise
 
     async def drop(self, term: int, session: str) -> None:
         self.engine.drop(session)

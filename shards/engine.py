@@ -60,6 +60,7 @@ class StageEngine:
         self.dtype = stage.dtype
         self._caches: dict[str, Caches] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshd-engine")
+        self._closed = False
 
     @classmethod
     def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
@@ -80,6 +81,8 @@ class StageEngine:
             return fn()
 
     async def _run(self, fn: Callable[[], R]) -> R:
+        if self.closed:  # a newer plan replaced this engine while a call was on its way here
+            raise ModelError("this stage's engine was closed: its plan was replaced")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
 
     def run_sync(self, fn: Callable[[], R]) -> R:
@@ -161,7 +164,12 @@ class StageEngine:
     def sessions(self) -> int:
         return len(self._caches)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
         self._caches.clear()
 
