@@ -516,3 +516,41 @@ def test_atheris_decode(tmp_path):
     assert runs, out[-2000:]
     print(f"\natheris: {runs.group(1)} inputs in {runs.group(2)} s, no crash, hang or leak")
     assert int(runs.group(1)) > 1000
+
+
+# -- an engine replaced mid-step ---------------------------------------------------------------
+
+
+@LIVE
+async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
+    """A re-plan closes the old engine while a step may still be on its way to it (after a
+    debug delay, or queued behind the event loop). That call is a MeshError, never a bare
+    RuntimeError that would end the node's TaskGroup: on the supernode's own span it is
+    PeerLost (the pipeline retries under the new plan), on a stage it is a Fail."""
+    from types import SimpleNamespace
+
+    from meshd.errors import ModelError, PeerLost
+    from meshd.stage import LocalRunner, serve_forward
+    from shards.engine import StageEngine
+
+    n = Manifest.load(tiny_model_dir).n_layers
+    engine = await asyncio.to_thread(StageEngine.load, tiny_model_dir, Span(0, n), False, False, "cpu", "float32")
+    hidden = torch.randn(2, engine.config.hidden_size)
+    segments = [Segment(SessionId("s"), 0, 2)]
+    metrics = SimpleNamespace(forwarded=lambda rows, seconds: None)
+    node = SimpleNamespace(config=SimpleNamespace(debug_layer_delay_ms=0.0), metrics=metrics, engine=engine)
+    runner = LocalRunner(node, engine)
+    assert tuple((await runner.forward_batch(1, segments, hidden)).shape) == (2, engine.config.hidden_size)
+    engine.close()
+    assert engine.closed
+    with pytest.raises(ModelError, match="closed"):
+        await engine.forward_batch([("s", 0, 2)], hidden)
+    with pytest.raises(PeerLost, match="replaced"):
+        await runner.forward_batch(1, segments, hidden)
+
+    sent = []
+    link = SimpleNamespace(peer_id="sup", send=lambda msg: asyncio.sleep(0, sent.append(msg)))
+    plan = Plan(1, NodeId("sup"), "m", "0" * 64, (Assignment(NodeId("me"), Span(0, n)),))
+    node.plan = plan
+    await serve_forward(node, link, 1, 7, segments, hidden)
+    assert len(sent) == 1 and isinstance(sent[0], Fail) and "closed" in sent[0].reason, sent
