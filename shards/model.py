@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from meshd.errors import ModelError
@@ -237,7 +237,11 @@ def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: 
     """(file key, our state-dict key) pairs from one safetensors file (never pickle)."""
     out: dict[str, Tensor] = {}
     read: dict[str, Tensor] = {}
-    with safe_open(str(path), framework="pt", device="cpu") as st:
+    try:
+        opened = safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as e:  # a pickle, or anything else, under a shard's name: never unpickled
+        raise ModelError(f"{path.name} is not a safetensors file: {e}") from None
+    with opened as st:
         have = set(st.keys())
         for theirs, ours in keys:
             if theirs not in have:
