@@ -1,0 +1,107 @@
+"""Safe loading, beyond tests/test_convert.py: what ``StageEngine.load`` (the daemon's
+loader) does with a model directory someone has tampered with.
+
+- a shard altered in place, size kept: refused by its sha256 before any tensor is read,
+  the error naming the file;
+- pickle: a manifest that names ``.bin`` / ``.pt`` files instead of our safetensors is
+  refused, and a pickle written under a ``.safetensors`` name with a manifest that
+  vouches for it is refused as "not safetensors" (a ModelError, which a daemon turns
+  into a Reject); nothing is ever unpickled (``pickle`` and ``torch.load`` are
+  booby-trapped for the duration);
+- a manifest whose file names point outside the directory is refused at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from meshd.errors import MeshError, ModelError, ShardCorrupt
+from shards.engine import StageEngine
+from shards.manifest import MANIFEST_FILE, Manifest, layer_file
+from shards.span import Span
+
+
+@pytest.fixture
+def model(tiny_model_dir, tmp_path):
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch):
+    def trap(*args, **kwargs):
+        raise AssertionError("the loader unpickled something")
+
+    monkeypatch.setattr(torch, "load", trap)
+    monkeypatch.setattr(pickle, "load", trap)
+    monkeypatch.setattr(pickle, "loads", trap)
+    monkeypatch.setattr(pickle, "Unpickler", trap)
+
+
+def rewrite_manifest(model_dir, edit) -> None:
+    data = json.loads((model_dir / MANIFEST_FILE).read_text())
+    edit(data)
+    (model_dir / MANIFEST_FILE).write_text(json.dumps(data))
+
+
+def vouch(model_dir, name: str) -> None:
+    """Make the manifest's size and sha256 for ``name`` those of the file now there."""
+    raw = (model_dir / name).read_bytes()
+
+    def edit(data):
+        data["files"][name] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+
+    rewrite_manifest(model_dir, edit)
+
+
+def load(model_dir, span=Span(0, 3), embed=False, head=False) -> StageEngine:
+    return StageEngine.load(model_dir, span, embed, head, "cpu", "float32")
+
+
+def test_a_shard_altered_in_place_is_refused_by_sha256(model):
+    for name, span, embed in ((layer_file(1), Span(0, 3), False), ("embed.safetensors", None, True)):
+        path = model / name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40  # inside the tensor data, the header still parses
+        path.write_bytes(bytes(data))
+        with pytest.raises(ShardCorrupt, match=rf"{name}.*sha256"):
+            load(model, span, embed=embed, head=embed)
+    # A span that does not touch the altered layer still loads.
+    load(model, Span(3, 6)).close()
+
+
+def test_pickle_named_in_a_manifest_is_refused(model, no_unpickling):
+    n = Manifest.load(model).n_layers
+    # A .bin (pickle) in place of a layer's safetensors file, listed in the manifest.
+    (model / "layer-000.bin").write_bytes(pickle.dumps({"attention.wq.weight": [0.0]}))
+    (model / layer_file(0)).unlink()
+    vouch(model, "layer-000.bin")
+    rewrite_manifest(model, lambda d: d["files"].pop(layer_file(0)))
+    with pytest.raises(ModelError, match=layer_file(0)):
+        load(model, Span(0, n))
+    # The other layers are unaffected.
+    load(model, Span(1, n)).close()
+
+
+def test_pickle_under_a_safetensors_name_is_refused(model, no_unpickling, tmp_path):
+    path = model / layer_file(2)
+    torch.save({"attention.wq.weight": torch.zeros(4)}, tmp_path / "evil.pt")
+    path.write_bytes((tmp_path / "evil.pt").read_bytes())
+    vouch(model, layer_file(2))  # the manifest vouches for it: only the format can tell
+    with pytest.raises(ModelError, match=layer_file(2)) as info:
+        load(model, Span(2, 3))
+    assert isinstance(info.value, MeshError)  # what a daemon catches, to Reject the plan
+    load(model, Span(3, 6)).close()
+
+
+@pytest.mark.parametrize("bad", ["../layer-000.safetensors", "/etc/passwd", "sub/x.safetensors"])
+def test_manifest_pointing_outside_is_refused_at_load(model, bad, no_unpickling):
+    (model.parent / "layer-000.safetensors").write_bytes((model / layer_file(0)).read_bytes())
+    rewrite_manifest(model, lambda d: d["files"].__setitem__(bad, {"sha256": "0" * 64, "size": 1}))
+    with pytest.raises(ModelError, match="outside"):
+        load(model, Span(0, 1))
