@@ -140,6 +140,7 @@ class Daemon:
     argv: list[str]
     started: float  # time.monotonic() at spawn
     port: int = PORT
+    started_wall: float = field(default_factory=time.time)
 
     @property
     def url(self) -> str:
@@ -235,14 +236,14 @@ class MeshLab:
     def start(self, host: Host, *, model: str, name: str | None = None, mesh: str = "lab",
               secret_file: Path | None = None, vram: int | None = None, mdns: bool = True,
               peers: tuple[str, ...] = (), layer_delay_ms: float | None = None,
-              extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Daemon:
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None, port: int = PORT) -> Daemon:
         """Spawn ``meshd run`` in ``host``; returns at once (see ``wait_up``)."""
         assert host.addr is not None, "a daemon needs a host on the bridge"
         name = name or host.name
         state = self.workdir / f"state-{name}"
         state.mkdir(parents=True, exist_ok=False)  # a fresh, empty state dir per daemon per run
         argv = [sys.executable, "-m", "meshd.cli", "run", "--name", name, "--host", host.addr,
-                "--port", str(PORT), "--mesh", mesh, "--secret-file", str(secret_file or self.secret_file),
+                "--port", str(port), "--mesh", mesh, "--secret-file", str(secret_file or self.secret_file),
                 "--state-dir", str(state), "--model", model, "--device", "cpu", "--dtype", "float32",
                 "--log-level", "info"]
         argv += ["--mdns-interface", host.addr] if mdns else ["--no-mdns"]
@@ -256,7 +257,7 @@ class MeshLab:
         log_path = self.workdir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = host.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=daemon_env() | (env or {}), cwd=_repo_root())
-        d = Daemon(name, host, proc, state, log_path, argv, time.monotonic())
+        d = Daemon(name, host, proc, state, log_path, argv, time.monotonic(), port)
         self.daemons.append(d)
         return d
 

@@ -130,11 +130,14 @@ def test_peer_without_model_fetches_exactly_its_span(tiny_mesh):
 
 @pytest.mark.real_model
 def test_real_model_on_three_peers_equals_single_node(meshlab, real_model_dir):
-    prompt, n = "The capital of France is", 32
+    prompt, n = "Once upon a time, in a small village by the sea,", 32
     hosts = [meshlab.lab.add_host() for _ in range(3)]
     daemons = [meshlab.start(h, model=str(real_model_dir), vram=(3 - i) * GiB) for i, h in enumerate(hosts)]
-    view = meshlab.wait_converged(daemons, n_stages=3, timeout=180)
-    assert len({a["node"] for a in view["plan"]}) == 3, plan_spans(view)
+    view = meshlab.wait_converged(daemons, timeout=180)
+    # All three do part of the model: the supernode embeds and projects (layers or not),
+    # the layers run on at least two peers.
+    owners = {a["node"] for a in view["plan"]}
+    assert owners | {view["supernode"]} == {d.node_id for d in daemons} and len(owners) >= 2, plan_spans(view)
     want = greedy_reference(real_model_dir, prompt, n)
     assert len(want) == n, "the prompt should run 32 tokens on one node"
     got, data = complete(daemons[2].url, prompt, n)

@@ -23,7 +23,19 @@ import torch
 from meshd.errors import ProtocolError
 from meshd.peers import CLOSE_PROTOCOL, LocalIdentity, handshake
 from protocol.codec import decode, encode
-from protocol.messages import Capabilities, Fail, Forward, NodeId, Ping, Pong, Result, SessionId
+from protocol.messages import (
+    Capabilities,
+    Fail,
+    Forward,
+    ForwardBatch,
+    NodeId,
+    Ping,
+    Pong,
+    Result,
+    ResultBatch,
+    Segment,
+    SessionId,
+)
 from shards.manifest import Manifest
 from tests.fixtures.mesh import GiB, MAX_TOKENS, PROMPT
 from tests.meshlab import PORT, complete
@@ -119,7 +131,7 @@ class FakePeer:
         async with asyncio.timeout(timeout):
             while True:
                 msg = await self.replies.get()
-                if isinstance(msg, (Fail, Result)) and msg.req == req:
+                if isinstance(msg, (Fail, Result, ResultBatch)) and msg.req == req:
                     return msg
 
 
@@ -161,12 +173,17 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
     async with fake_peer(target.url, secret, "lab") as peer:
         ids = {p["id"] for p in (await asyncio.to_thread(target.status))["peers"]}
         assert peer.node_id in ids, "the handshake with the right secret should have made a link"
-        stale_terms = sorted({0, term - 1})
-        for req, t in enumerate(stale_terms, start=1):
-            fwd = Forward(t, SessionId("made-up-" + secrets.token_hex(4)), req, 0, torch.randn(1, hidden))
-            await peer.ws.send_bytes(encode(fwd))
-            reply = await peer.reply_to(req)
-            assert isinstance(reply, Fail), f"a term-{t} Forward was run: {reply!r}" + mesh.fail_report([target])
+        # A single-session Forward of term 0, and the batched frame the pipeline sends
+        # (a decode row) of the term before this one: both for a session nobody has.
+        session = SessionId("made-up-" + secrets.token_hex(4))
+        frames = [Forward(0, session, 1, 0, torch.randn(1, hidden)),
+                  ForwardBatch(max(0, term - 1), 2, (Segment(session, 5, 1),), torch.randn(1, hidden))]
+        stale_terms = sorted(f.term for f in frames)
+        for frame in frames:
+            await peer.ws.send_bytes(encode(frame))
+            reply = await peer.reply_to(frame.req)
+            assert isinstance(reply, Fail), \
+                f"a term-{frame.term} {type(frame).__name__} was run: {reply!r}" + mesh.fail_report([target])
         deadline = time.monotonic() + 10
         while len(target.log_events("stale_frame_dropped")) - before < len(stale_terms) \
                 and time.monotonic() < deadline:
