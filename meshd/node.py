@@ -409,6 +409,14 @@ class Node:
         del self.links[link.peer_id]
         self.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
         log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
+        # A peer with no span (idle, or drained before it stopped) that is not the
+        # supernode leaves the plan and the election as they are: re-planning would
+        # only bump the term and replay every stream. Unless a negotiation waits on it.
+        plan = self.plan
+        negotiating = self._lead_task is not None and not self._lead_task.done()
+        if (plan is not None and not negotiating and link.peer_id != self.supernode
+                and all(a.node != link.peer_id for a in plan.assignments)):
+            return
         self.view_changed(f"peer {link.peer_id} lost: {link.close_reason}", urgent=True)
 
     async def _heartbeat_loop(self) -> None:
