@@ -27,7 +27,10 @@ log = structlog.get_logger()
 
 # A peer whose view has not caught up rejects with NOT_MY_SUPERNODE; wait and ask again.
 # (A peer at a higher term names it, and is asked again above it at once.)
-VIEW_RETRIES = 5
+# The waits double from VIEW_RETRY_FIRST_S up to settle_s: a closed socket reaches every
+# peer within milliseconds, a heartbeat loss within a beat or two (5.5 s in all at 1 s).
+VIEW_RETRIES = 8
+VIEW_RETRY_FIRST_S = 0.1
 
 
 async def lead(node: Node, reason: str = "") -> None:
@@ -94,7 +97,7 @@ async def lead(node: Node, reason: str = "") -> None:
             if len(behind) + len(stale) == len(rejects) and view_retries < VIEW_RETRIES:
                 view_retries += 1
                 if behind:
-                    await asyncio.sleep(node.config.settle_s)
+                    await asyncio.sleep(min(node.config.settle_s, VIEW_RETRY_FIRST_S * 2 ** (view_retries - 1)))
             else:
                 excluded.update({n: str(r) for n, r in rejects.items()})
             continue
