@@ -103,6 +103,14 @@ async def lead(node: Node, reason: str = "") -> None:
             continue
         break
 
+    if node.supernode != node.node_id:
+        # While this plan loaded, this peer accepted the plan of the peer it now
+        # elects (it led alone while cut off, and rejoined): activating this one
+        # would put it on a term of its own, refusing the mesh's frames for good.
+        log.info("plan_abandoned", term=term, supernode=node.supernode)
+        if engine is not node.engine:
+            engine.close()
+        return
     for link in list(node.links.values()):
         with contextlib.suppress(PeerLost):
             await link.send(Commit(term))
