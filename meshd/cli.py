@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--out", type=Path, required=True)
     convert.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "auto"])
     convert.add_argument("--name", help="model name (default: from the source)")
+    convert.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized layers")
+    convert.add_argument("--quantize-head", nargs="?", const=True, default=False, choices=["int8", "int4"],
+                         help="quantize the head (and a tied embedding) too; bare: the --quantize kind")
+    convert.add_argument("--group-size", type=int, default=32, help="int4 group size (32, 64, 128, 256)")
     lst = msub.add_parser("list", help="models in the state dir")
     _add_state_dir(lst)
 
@@ -152,7 +156,8 @@ def cmd_model(args: argparse.Namespace) -> int:
         path = fetch_default(_state_dir(args), args.name)
         print(path)
     elif args.model_command == "convert":
-        path = convert(args.src, args.out, dtype=args.dtype, name=args.name)
+        path = convert(args.src, args.out, dtype=args.dtype, name=args.name, quantize=args.quantize,
+                       quantize_head=args.quantize_head, group_size=args.group_size)
         print(path)
     else:
         for m in list_models(_state_dir(args)):

@@ -16,6 +16,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from meshd.errors import MeshError, ModelError
+from shards import quant
 from shards.gguf_source import GGUFSource, is_gguf
 from shards.hf_source import HFSource, is_hf_dir
 from shards.manifest import (EMBED_FILE, MANIFEST_FILE, TOKENIZER_FILE, FileEntry, Manifest,
@@ -46,16 +47,18 @@ def _write_atomic(path: Path, data: bytes) -> FileEntry:
 
 
 def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
-    return save({k: v.to(dtype).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    # Quantized codes and their scales/zeros are stored as quantize_weight made them.
+    cast = lambda k, v: v if k.endswith((".qweight", ".scales", ".zeros")) else v.to(dtype)  # noqa: E731
+    return save({k: cast(k, v).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
 
 
-def _up_to_date(out: Path, name: str, dtype: str) -> bool:
+def _up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
     """A finished conversion of the same name and dtype whose every file checks out."""
     if not (out / MANIFEST_FILE).is_file():
         return False
     try:
         manifest = Manifest.load(out)
-        if manifest.name != name or manifest.dtype != dtype:
+        if manifest.name != name or manifest.dtype != dtype or manifest.quant != qspec:
             return False
         manifest.verify(out)
     except MeshError as e:
@@ -65,26 +68,39 @@ def _up_to_date(out: Path, name: str, dtype: str) -> bool:
 
 
 def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = None,
-            progress: bool = True) -> Path:
-    """Write the model directory for ``src`` into ``out`` and return ``out``."""
+            progress: bool = True, quantize: str | None = None, quantize_head: bool | str = False,
+            group_size: int = quant.DEFAULT_GROUP) -> Path:
+    """Write the model directory for ``src`` into ``out`` and return ``out``.
+
+    ``quantize`` int8|int4 stores the layers' linears weight-only quantized (the manifest's
+    dtype is then that kind; norms stay ``dtype``); ``quantize_head`` (True: the same kind,
+    or a kind) the head too, and a tied embedding with it.
+    """
     if dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} not one of {sorted(DTYPES)}")
+    spec = None
+    if quantize:
+        head_kind = quantize_head if isinstance(quantize_head, str) else None
+        spec = quant.QuantSpec(quantize, group_size, head=bool(quantize_head), head_kind=head_kind)
+    qspec = spec.to_dict() if spec else None
+    dtype_name = dtype
+    dtype = spec.kind if spec else dtype  # what the manifest says
     src, out = Path(src), Path(out)
     # With a name given, a finished directory is recognised without opening the source.
-    if name is not None and _up_to_date(out, name, dtype):
+    if name is not None and _up_to_date(out, name, dtype, qspec):
         log.info("convert_skipped", out=str(out), model=name)
         return out
     source = open_source(src)
     if name is None:
         name = source.name
-        if _up_to_date(out, name, dtype):
+        if _up_to_date(out, name, dtype, qspec):
             log.info("convert_skipped", out=str(out), model=name)
             return out
     out.mkdir(parents=True, exist_ok=True)
     # Whatever manifest was there no longer describes the files about to be written.
     (out / MANIFEST_FILE).unlink(missing_ok=True)
     log.info("convert_started", src=str(src), out=str(out), format=source.format, model=name, dtype=dtype)
-    tdtype = DTYPES[dtype]
+    tdtype = DTYPES[dtype_name]
     cfg = source.config
     files: dict[str, FileEntry] = {}
     files[TOKENIZER_FILE] = _write_atomic(out / TOKENIZER_FILE, source.tokenizer_bytes())
@@ -92,16 +108,19 @@ def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = Non
     with bar:
         embed = source.embed_tensors()
         _check_shapes(embed, cfg, None)
+        if spec is not None:
+            embed = quant.quantize_tensors(embed, spec, head=True)
+            _check_shapes(embed, cfg, None, spec)
         files[EMBED_FILE] = _write_atomic(out / EMBED_FILE, _tensors_bytes(embed, tdtype))
         del embed
         bar.update(1)
         for i in range(cfg.n_layers):
-            layer = source.layer_tensors(i)
-            _check_shapes(layer, cfg, i)
+            layer = source.layer_tensors(i) if spec is None else quant.source_layer(source, i, spec)
+            _check_shapes(layer, cfg, i, spec)
             files[layer_file(i)] = _write_atomic(out / layer_file(i), _tensors_bytes(layer, tdtype))
             bar.update(1)
     manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=dtype,
-                        files=files, chat_template=source.chat_template)
+                        files=files, chat_template=source.chat_template, quant=qspec)
     manifest.write(out)
     log.info("convert_done", out=str(out), model=name, files=len(files),
              bytes=sum(e.size for e in files.values()), digest=manifest.digest[:12])
@@ -128,8 +147,11 @@ def expected_shapes(cfg, layer: int | None) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _check_shapes(tensors: dict[str, torch.Tensor], cfg, layer: int | None) -> None:
+def _check_shapes(tensors: dict[str, torch.Tensor], cfg, layer: int | None,
+                  spec: quant.QuantSpec | None = None) -> None:
     want = expected_shapes(cfg, layer)
+    if spec is not None:
+        want = quant.quantized_shapes(want, spec, head=layer is None)
     if set(tensors) != set(want):
         raise ModelError(f"layer {layer}: tensors {sorted(tensors)} != expected {sorted(want)}")
     for k, shape in want.items():

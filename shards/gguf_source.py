@@ -6,11 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from meshd.errors import ModelError
 from shards.config import ModelConfig
+from shards.quant import from_q4_1
 from shards.tokenizer import tokenizer_from_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -124,6 +125,26 @@ class GGUFSource:
         c = self.config
         out["attention.wq.weight"] = unpermute_rope(out["attention.wq.weight"], c.n_heads)
         out["attention.wk.weight"] = unpermute_rope(out["attention.wk.weight"], c.n_kv_heads)
+        return out
+
+    def layer_tensors_q4_1(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i`` with its Q4_1 matrices as our int4 group-32 tensors, code for code
+        (``<name>.qweight/.scales/.zeros``); other tensors dequantized as in ``layer_tensors``."""
+        out: dict[str, torch.Tensor] = {}
+        c = self.config
+        heads = {"attention.wq.weight": c.n_heads, "attention.wk.weight": c.n_kv_heads}
+        for ours, theirs in LAYER_NAMES.items():
+            t = self._tensors.get(theirs.format(i=i))
+            if t is None or t.tensor_type != GGMLQuantizationType.Q4_1:
+                w = self._get(theirs.format(i=i))
+                out[ours] = unpermute_rope(w, heads[ours]) if ours in heads else w
+                continue
+            cols, rows = (int(n) for n in t.shape)  # GGUF lists [in, out]
+            q = from_q4_1(t.data, rows, cols)
+            if ours in heads:  # rows of codes, scales and zeros move together
+                q = {k: unpermute_rope(v, heads[ours]) for k, v in q.items()}
+            base = ours.removesuffix(".weight")
+            out |= {f"{base}.{k}": v for k, v in q.items()}
         return out
 
     def tokenizer_bytes(self) -> bytes:

@@ -63,6 +63,9 @@ class Manifest:
     dtype: str
     files: dict[str, FileEntry]
     chat_template: str | None = None
+    # Weight-only quantization (``dtype`` is then its kind): {"kind": "int8"|"int4",
+    # "group_size", "head": bool, "head_kind"}; see shards/quant.py. None: plain floats.
+    quant: dict | None = None
     format: int = FORMAT_VERSION
     _raw: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -86,7 +89,7 @@ class Manifest:
             "config": self.config.to_dict(),
             "chat_template": self.chat_template,
             "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
-        }
+        } | ({"quant": dict(self.quant)} if self.quant else {})
 
     def to_bytes(self) -> bytes:
         if self._raw is not None:
@@ -105,7 +108,7 @@ class Manifest:
             files = {str(n): FileEntry(str(e["sha256"]), int(e["size"])) for n, e in data["files"].items()}
             return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
                        dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
-                       format=int(data.get("format", 1)), _raw=raw)
+                       quant=data.get("quant"), format=int(data.get("format", 1)), _raw=raw)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ModelError(f"malformed manifest: {e!r}") from e
 

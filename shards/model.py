@@ -9,6 +9,7 @@ key-value heads, hd = head dim. There is no batch dimension: one session per cal
 
 from __future__ import annotations
 
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from meshd.errors import ModelError
+from shards import quant
 from shards.config import ModelConfig
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
 from shards.span import Span
@@ -189,16 +191,17 @@ class Stage(nn.Module):
 
     def tie(self) -> None:
         """Tied models: the head is the embedding matrix (same tensor when both live here)."""
-        if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+        if (self.config.tie_embeddings and isinstance(self.tok_embeddings, nn.Embedding)
+                and isinstance(self.output, nn.Linear)):
             self.output.weight = self.tok_embeddings.weight
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return next(chain(self.parameters(), self.buffers())).device
 
     @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+    def dtype(self) -> torch.dtype:  # of activations (quantized weights are buffers, not parameters)
+        return next(t for t in chain(self.parameters(), self.buffers()) if t.is_floating_point()).dtype
 
     def new_caches(self) -> Caches:
         c, p = self.config, next(self.parameters())
@@ -247,7 +250,8 @@ def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: 
             if theirs not in have:
                 raise ModelError(f"{path.name} lacks tensor {theirs}")
             if theirs not in read:  # a tied head shares the embedding's tensor
-                read[theirs] = st.get_tensor(theirs).to(device=device, dtype=dtype)
+                t = st.get_tensor(theirs)  # quantized codes keep their integer dtype
+                read[theirs] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
             out[ours] = read[theirs]
     return out
 
@@ -264,16 +268,19 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
     device = torch.device(device)
     with torch.device("meta"):
         stage = Stage(manifest.config, span, embed, head)
+    spec = quant.QuantSpec.from_dict(manifest.quant) if manifest.quant else None
+    if spec is not None:
+        quant.swap_in(stage, spec)  # QuantLinears whose tensors are the shard files'
     state: dict[str, Tensor] = {}
     if embed or head:
         keys = []
         if embed:
-            keys.append(("tok_embeddings.weight", "tok_embeddings.weight"))
+            keys += [(f"tok_embeddings.{k}",) * 2 for k in stage.tok_embeddings.state_dict(keep_vars=True)]
         if head:
             # A head-only stage of a tied model still needs the embedding matrix, as its head.
-            tied = manifest.config.tie_embeddings
-            keys += [("norm.weight", "norm.weight"),
-                     ("tok_embeddings.weight" if tied else "output.weight", "output.weight")]
+            src = "tok_embeddings" if manifest.config.tie_embeddings else "output"
+            keys += [("norm.weight", "norm.weight")]
+            keys += [(f"{src}.{k}", f"output.{k}") for k in stage.output.state_dict(keep_vars=True)]
         state |= _read(model_dir / EMBED_FILE, keys, device, dtype)
     for i in span or ():
         prefix = f"layers.{i}."
@@ -281,5 +288,7 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
         state |= _read(model_dir / layer_file(i), keys, device, dtype)
     stage.load_state_dict(state, strict=True, assign=True)
     stage.tie()
+    if spec is not None:
+        quant.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
     stage.eval()
     return stage, manifest
