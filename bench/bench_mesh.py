@@ -267,7 +267,8 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=default_model)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2, help="torch threads per daemon")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per daemon (1: on shared cores, OpenMP barriers under contention cost 10x)")
     p.add_argument("--skip-start", action="store_true", help="skip (b)")
     args = p.parse_args()
     args.model = args.model.resolve()
