@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     _add_state_dir(run)
     run.add_argument("--device", choices=DEVICES)
     run.add_argument("--dtype", choices=DTYPES)
+    run.add_argument("--threads", type=int, help="torch threads (default: all cores; 1 per daemon when several share a box)")
+    run.add_argument("--no-replicate", dest="replicate", action="store_const", const=False,
+                     help="fetch only this peer's span, not the rest of the model in the background")
     run.add_argument("--mdns-interface", action="append", default=[], metavar="ADDR",
                      help="local address to run mDNS on (repeatable; default: real interfaces)")
     run.add_argument("--no-mdns", dest="mdns", action="store_const", const=False, help="no mDNS; static peers only")

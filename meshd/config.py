@@ -44,6 +44,9 @@ class Config:
     model: str = "smollm2-135m"
     state_dir: Path = field(default_factory=default_state_dir)
     device: str = "auto"
+    # torch threads; None: torch's default (all cores). Several daemons on one box
+    # want 1 each: OpenMP threads waiting on a descheduled sibling cost up to 10x.
+    threads: int | None = None
     dtype: str = "auto"
     mdns: bool = True
     mdns_interface: tuple[str, ...] = ()
@@ -97,6 +100,8 @@ class Config:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not self.mesh or len(self.mesh) > 63:
             raise ConfigError("mesh: must be 1-63 characters")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads: must be at least 1")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:
             raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):

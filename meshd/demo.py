@@ -63,7 +63,9 @@ def run_demo(args: argparse.Namespace) -> int:
         for i, port in enumerate(ports):
             argv = [sys.executable, "-m", "meshd.cli", "run", "--name", f"demo-{i}", "--host", "127.0.0.1",
                     "--port", str(port), "--mesh", mesh, "--secret-file", str(secret),
-                    "--state-dir", str(work / f"peer-{i}"), "--mdns-interface", "127.0.0.1"]
+                    "--state-dir", str(work / f"peer-{i}"), "--mdns-interface", "127.0.0.1",
+                    # N daemons share this box's cores: one torch thread each.
+                    "--threads", "1"]
             if i == 0:
                 # The first peer has the model and, advertising the most VRAM, is supernode.
                 argv += ["--model", str(model_dir), "--advertise-vram", str(1 << 30)]

@@ -41,10 +41,10 @@ from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
-LOST_SHOWN_S = 600.0
-DEFAULT_HOP_MS = 0.3
-TERMS_KEPT = 20
-KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured  # a LAN round trip of one decode frame, before any is measured  # how long /status lists a lost peer before it is gone
+LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
+DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured
+TERMS_KEPT = 20  # term history shown by /status
+KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured
 
 
 def load_node_id(state_dir: Path) -> NodeId:
@@ -89,6 +89,8 @@ class Node:
         self.secret = config.load_secret()
         self.node_id = load_node_id(config.state_dir)
         self.device = pick_device(config.device)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret)
         self.api_keys = config.load_keys(config.api_key_file)
         self.control_keys = config.load_keys(config.control_key_file)
