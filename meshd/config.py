@@ -59,6 +59,9 @@ class Config:
     # How long a supernode waits after the view changes before it plans, so
     # peers that start together produce one plan, not one each.
     settle_s: float = 1.0
+    # A peer that joins (or comes back) waits for the next plan until the streams
+    # in flight end, at most this long: a join never pauses them otherwise.
+    join_defer_s: float = 30.0
     accept_timeout_s: float = 300.0
     drain_timeout_s: float = 20.0
     # How long a request waits for a (new) supernode's plan before a 503.

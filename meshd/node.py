@@ -461,11 +461,26 @@ class Node:
                     await asyncio.wait_for(self._view_changed.wait(), self.config.settle_s)
                 except TimeoutError:
                     break
-            self._loss_pending = False
+            urgent, self._loss_pending = self._loss_pending, False
             # An urgent change skips the settling loop, which is what clears the
             # event: left set, it made a second re-plan (and replay) 1 s later.
             self._view_changed.clear()
+            if not urgent:
+                await self._defer_join()
+                if self._loss_pending:  # a loss came while waiting: this re-plan covers it too
+                    self._loss_pending = False
+                    self._view_changed.clear()
             self._reelect()
+
+    async def _defer_join(self) -> None:
+        """A join re-plans only once the streams in flight are done (within
+        ``join_defer_s``), so a peer that comes back disturbs none of them; the
+        supernode stays the same, or a loss arrives meanwhile, or time runs out."""
+        if not self.is_supernode or elect(self.candidates()) != self.node_id:
+            return
+        deadline = time.monotonic() + self.config.join_defer_s
+        while self.scheduler.active and time.monotonic() < deadline and not self._loss_pending:
+            await asyncio.sleep(0.1)
 
     def view_changed(self, reason: str, urgent: bool = False) -> None:
         """Something the plan depends on changed; ``urgent`` skips the settling
