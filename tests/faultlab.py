@@ -1,0 +1,171 @@
+"""Fault-injection helpers on top of ``tests.meshlab`` (which stays as it is).
+
+    s = Stream(entry.url, PROMPT, 64).start()   # a streamed completion read on a thread
+    s.wait_tokens(16)                           # ... until 16 token ids have arrived
+    victim.kill()                               # the fault, for real
+    s.join()                                    # every token id, each with its arrival time
+    s.gap_after(t_fault)                        # seconds from the fault to the next token
+
+    d2 = restart(mesh, victim)                  # the same argv and state dir: the same node id
+
+Everything is bounded in time; the stream runs on a daemon thread so a hung
+mesh cannot hang the test process past its timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from tests.meshlab import POLL_S, Daemon, MeshLab, daemon_env, plan_spans
+
+STREAM_TIMEOUT_S = 120.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Stream:
+    """One streamed completion, read event by event with arrival times."""
+
+    url: str
+    prompt: str | list[int]
+    max_tokens: int
+    extra: dict = field(default_factory=dict)  # e.g. temperature, seed
+    timeout: float = STREAM_TIMEOUT_S
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.monotonic() of each token's arrival
+    events: list = field(default_factory=list)
+    error: BaseException | None = None
+    t_sent: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="meshd-test-stream")
+        self._got = threading.Condition()
+
+    def body(self) -> dict:
+        return {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0, "stream": True} | self.extra
+
+    def start(self) -> Stream:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        parts = urlsplit(self.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        try:
+            self.t_sent = time.monotonic()
+            conn.request("POST", "/v1/completions", json.dumps(self.body()), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise AssertionError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+            data: list[str] = []
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline:
+                raw = resp.readline()
+                if not raw:
+                    break
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith("data: "):
+                    data.append(line[6:])
+                elif line == "" and data:
+                    self._event("\n".join(data))
+                    data = []
+                    if self.events and self.events[-1] == "[DONE]":
+                        break
+        except BaseException as exc:  # handed to join()
+            self.error = exc
+        finally:
+            conn.close()
+            with self._got:
+                self._got.notify_all()
+
+    def _event(self, payload: str) -> None:
+        now = time.monotonic()
+        event = payload if payload == "[DONE]" else json.loads(payload)
+        with self._got:
+            self.events.append(event)
+            if isinstance(event, dict):
+                for choice in event.get("choices", []):
+                    for tok in choice.get("token_ids", []):
+                        self.tokens.append(tok)
+                        self.times.append(now)
+            self._got.notify_all()
+
+    def wait_tokens(self, n: int, timeout: float = 60.0) -> float:
+        """Until ``n`` tokens have arrived; the arrival time of the n-th."""
+        deadline = time.monotonic() + timeout
+        with self._got:
+            while len(self.tokens) < n:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    raise AssertionError(f"{len(self.tokens)} of {n} tokens within {timeout:.0f} s "
+                                         f"(error: {self.error!r}, events {self.events[-3:]})")
+                self._got.wait(min(left, 0.5))
+            return self.times[n - 1]
+
+    def join(self, timeout: float | None = None) -> list[int]:
+        self._thread.join(self.timeout if timeout is None else timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"the stream did not end within {self.timeout:.0f} s; {len(self.tokens)} tokens")
+        if self.error is not None:
+            raise AssertionError(f"the stream failed after {len(self.tokens)} tokens: {self.error!r}")
+        return list(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def errors(self) -> list[dict]:
+        return [e for e in self.events if isinstance(e, dict) and "error" in e]
+
+    def gap_after(self, t: float) -> float:
+        """Seconds from ``t`` to the first token that arrived after it."""
+        after = [x for x in self.times if x > t]
+        assert after, f"no token arrived after the fault ({len(self.tokens)} in all)"
+        return after[0] - t
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def restart(mesh: MeshLab, old: Daemon) -> Daemon:
+    """Start ``old``'s command again in its host, with its state dir (so its node id)."""
+    assert not old.alive(), f"{old.name} is still running"
+    with open(old.log_path, "ab") as log:
+        proc = old.host.popen(old.argv, stdout=log, stderr=subprocess.STDOUT, env=daemon_env(), cwd=REPO)
+    d = dataclasses.replace(old, proc=proc, started=time.monotonic(), started_wall=time.time())
+    mesh.daemons.append(d)
+    return d
+
+
+def wait_status(mesh: MeshLab, daemon: Daemon, ok, what: str, timeout: float = 30.0) -> dict:
+    """Until ``ok(status)`` holds on ``daemon``'s /status; that status."""
+    deadline = time.monotonic() + timeout
+    last = None
+    for _ in range(int(timeout / POLL_S) + 1):
+        last = daemon.status(timeout=2)
+        if last is not None and ok(last):
+            return last
+        if time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
+    brief = None if last is None else {k: last.get(k) for k in ("supernode", "term", "serving", "reason")} | {
+        "plan": plan_spans(last), "peers": [(p["id"], p["state"]) for p in last.get("peers", [])]}
+    raise AssertionError(f"{daemon.name}: not {what} within {timeout:.0f} s; last /status {brief}"
+                         + mesh.fail_report())
+
+
+def peer_state(view: dict, node_id: str) -> str | None:
+    return next((p["state"] for p in view.get("peers", []) if p["id"] == node_id), None)
+
+
+def plan_nodes(view: dict) -> set[str]:
+    return {a["node"] for a in view.get("plan", [])}
