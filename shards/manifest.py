@@ -159,18 +159,68 @@ class Manifest:
 
     def verify(self, model_dir: Path, names: Iterable[str] | None = None,
                progress: Callable[[int], None] | None = None) -> None:
-        """Raise ShardMissing / ShardCorrupt naming the first bad file; size first, then sha256."""
-        for name in (self.files if names is None else names):
-            check_file_name(name)
-            entry = self.files.get(name)
-            if entry is None:
-                raise ModelError(f"manifest lists no {name}")
-            path = Path(model_dir) / name
-            if not path.is_file():
-                raise ShardMissing(f"{name} is missing from {model_dir}")
-            size = path.stat().st_size
-            if size != entry.size:
-                raise ShardCorrupt(f"{name} is {size} bytes, manifest says {entry.size}")
-            digest = sha256_file(path, progress)
-            if digest != entry.sha256:
-                raise ShardCorrupt(f"{name} sha256 {digest[:12]}… does not match manifest {entry.sha256[:12]}…")
+        """Raise ShardMissing / ShardCorrupt naming the first bad file; size first, then sha256.
+
+        A file whose (size, mtime, ctime, inode) is what it was when it last hashed
+        right is not hashed again (a ``.<dir>.verified.json`` beside the directory, which
+        stays as converted): a restart loads in seconds, and any write to the file,
+        which moves its ctime, makes it hash again."""
+        checked = _VerifiedCache(Path(model_dir))
+        try:
+            for name in (self.files if names is None else names):
+                check_file_name(name)
+                entry = self.files.get(name)
+                if entry is None:
+                    raise ModelError(f"manifest lists no {name}")
+                path = Path(model_dir) / name
+                if not path.is_file():
+                    raise ShardMissing(f"{name} is missing from {model_dir}")
+                st = path.stat()
+                if st.st_size != entry.size:
+                    raise ShardCorrupt(f"{name} is {st.st_size} bytes, manifest says {entry.size}")
+                if checked.holds(name, st, entry.sha256):
+                    if progress is not None:
+                        progress(st.st_size)
+                    continue
+                digest = sha256_file(path, progress)
+                if digest != entry.sha256:
+                    raise ShardCorrupt(f"{name} sha256 {digest[:12]}… does not match manifest {entry.sha256[:12]}…")
+                checked.record(name, st, digest)
+        finally:
+            checked.save()
+
+
+class _VerifiedCache:
+    """What ``Manifest.verify`` already hashed: name -> [size, mtime_ns, ctime_ns, ino, sha256]."""
+
+    def __init__(self, model_dir: Path):
+        model_dir = model_dir.resolve()
+        self.path = model_dir.parent / f".{model_dir.name}.verified.json"
+        self.dirty = False
+        try:
+            self.seen = json.loads(self.path.read_text())
+            if not isinstance(self.seen, dict):
+                self.seen = {}
+        except (OSError, ValueError):
+            self.seen = {}
+
+    @staticmethod
+    def _key(st: os.stat_result) -> list[int]:
+        return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    def holds(self, name: str, st: os.stat_result, sha256: str) -> bool:
+        return self.seen.get(name) == self._key(st) + [sha256]
+
+    def record(self, name: str, st: os.stat_result, sha256: str) -> None:
+        self.seen[name] = self._key(st) + [sha256]
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.seen))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only model directory: hash again next time

@@ -75,6 +75,23 @@ def test_a_shard_altered_in_place_is_refused_by_sha256(model):
     load(model, Span(3, 6)).close()
 
 
+def test_a_shard_altered_after_a_good_load_is_hashed_again(model):
+    """Loads skip re-hashing files unchanged since they last checked out; a change
+    made after one, even with the old size and mtime put back, is still caught."""
+    import os
+
+    load(model).close()  # checks out, and is remembered as such
+    load(model).close()  # unchanged: loads again (from the remembered check)
+    path = model / layer_file(1)
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime as it was
+    with pytest.raises(ShardCorrupt, match=rf"{layer_file(1)}.*sha256"):
+        load(model)
+
+
 def test_pickle_named_in_a_manifest_is_refused(model, no_unpickling):
     n = Manifest.load(model).n_layers
     # A .bin (pickle) in place of a layer's safetensors file, listed in the manifest.
