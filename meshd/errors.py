@@ -22,6 +22,10 @@ class PeerLost(MeshError):
     """A peer a request depended on went away."""
 
 
+class StageFailed(PeerLost):
+    """A peer answered a step with Fail (its link is up): only a new plan helps."""
+
+
 class ShardMissing(MeshError):
     """A shard file is absent from the model directory."""
 

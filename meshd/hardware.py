@@ -67,6 +67,9 @@ def speed_probe(device: str, hidden: int = 576, intermediate: int = 1536, repeat
         g = x @ up
         return (g[:, :intermediate] @ down) + h[:, :hidden]
 
+    # torch imports parts of itself the first time a module is built on the meta
+    # device (~2 s): pay that here, not in the middle of a failover.
+    torch.nn.Embedding(2, 2, device="meta")
     with torch.inference_mode():
         for _ in range(3):
             layer()

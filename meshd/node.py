@@ -110,7 +110,8 @@ class Node:
         self.replicating = False
         self.stopping = False
         self.model_dir, self.manifest = self._local_model()
-        self.pipeline = Pipeline(lambda: self.engine)
+        self.pipeline = Pipeline(lambda: self.engine,
+                                 on_stage_failed=lambda why: self.view_changed(f"a stage failed: {why}", urgent=True))
         self.scheduler = Scheduler(self.pipeline, None)
         self.unavailable = "starting"
         self.started = time.time()
@@ -403,6 +404,7 @@ class Node:
                  device=link.caps.device, vram=link.caps.vram)
         self.draining.discard(link.peer_id)  # a peer that comes back is no longer drained
         self.view_changed(f"peer {link.peer_id} joined")
+        self.spawn(self._ping(link))  # an RTT to show (and to place by) from the start
         return True
 
     def _unregister(self, link: Link) -> None:

@@ -26,7 +26,7 @@ import structlog
 import torch
 from aiohttp import WSMsgType, web
 
-from meshd.errors import AuthError, PeerLost, ProtocolError
+from meshd.errors import AuthError, PeerLost, ProtocolError, StageFailed
 from protocol.codec import decode, encode
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -217,7 +217,7 @@ class Link:
                     case Result(req=req, hidden=hidden) | ResultBatch(req=req, hidden=hidden):
                         self._settle(req, hidden)
                     case Fail(req=req, reason=reason):
-                        self._settle(req, PeerLost(f"{self.peer_id} failed the step: {reason}"))
+                        self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))
                     case Bye(reason=reason):
                         await self.close(f"peer left: {reason}", CLOSE_BYE)
                     case _:

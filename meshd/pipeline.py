@@ -17,7 +17,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from meshd.errors import NoCapacity, PeerLost
+from meshd.errors import NoCapacity, PeerLost, StageFailed
 from protocol.messages import Assignment, NodeId, Segment
 
 log = structlog.get_logger()
@@ -25,6 +25,7 @@ log = structlog.get_logger()
 # Prompt rows a session sends per step: bounds frame size, and keeps a long
 # prompt from stalling the streams decoding beside it (chunked prefill).
 PREFILL_CHUNK = 256
+MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
 
 
 class StageRunner(Protocol):
@@ -44,7 +45,9 @@ class ActivePlan:
 
 
 class Pipeline:
-    def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0):
+    def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0,
+                 on_stage_failed: Callable[[str], None] | None = None):
+        self.on_stage_failed = on_stage_failed
         # A callable, because the supernode's engine is replaced when its own span changes.
         self._head_engine = head_engine_fn
         self._plan: ActivePlan | None = None
@@ -90,6 +93,7 @@ class Pipeline:
         still has rows to go. A lost peer makes the step wait for the next plan and
         replay every session of the batch from position 0."""
         failed_term: int | None = None
+        attempts = 0
         while True:
             plan = await self._wait_plan(failed_term)
             work = []  # (session, start, rows)
@@ -104,6 +108,12 @@ class Pipeline:
                 hidden = await self._run(plan, work)
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
+                attempts += 1
+                if attempts > MAX_STEP_ATTEMPTS:
+                    raise NoCapacity(f"a step failed {attempts} times; last: {exc}") from None
+                if isinstance(exc, StageFailed) and self.on_stage_failed is not None:
+                    # The link is up, so no loss will be seen: ask for the new plan.
+                    self.on_stage_failed(str(exc))
                 failed_term = plan.term
                 for s in sessions:
                     s.term = None

@@ -96,6 +96,8 @@ class Scheduler:
         self.lanes = [Lane(i) for i in range(MAX_LANES)]
         self.reserved_tokens = 0
         self.tokens_generated = 0
+        self.shared_steps = 0  # steps that carried more than one session
+        self.max_batch = 0
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -126,6 +128,9 @@ class Scheduler:
                     if s.finished:
                         await self._release(s)
             lane.steps += 1
+            if len(batch) > 1:
+                self.shared_steps += 1
+            self.max_batch = max(self.max_batch, len(batch))
             for s in batch:
                 logits = results.get(s.id)
                 if logits is None or s.finished:

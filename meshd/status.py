@@ -57,6 +57,8 @@ def build_status(node: Node) -> dict:
         "scheduler": {
             "active": len(node.scheduler.active),
             "steps": sum(lane.steps for lane in node.scheduler.lanes),
+            "shared_steps": node.scheduler.shared_steps,
+            "max_batch": node.scheduler.max_batch,
             "tokens_generated": node.scheduler.tokens_generated,
             "kv_reserved": node.scheduler.reserved_tokens,
             "kv_budget": node.scheduler.kv_budget_tokens,

@@ -61,21 +61,23 @@ def test_batched_across_a_namespaced_mesh(meshlab, tiny_model_dir):
     supernode = view["supernode"]
     entry = next(d for d in daemons if d.node_id != supernode)
     alone = [complete(entry.url, p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
-    steps_before = entry_status_steps(daemons, supernode)
+    shared_before = scheduler_stats(daemons, supernode)["shared_steps"]
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         def run(i: int) -> list[int]:
             time.sleep(i * STAGGER_S)
             return complete(entry.url, PROMPTS[i], LENGTHS[i])[0]
 
         together = list(pool.map(run, range(len(PROMPTS))))
-    steps = entry_status_steps(daemons, supernode) - steps_before
+    stats = scheduler_stats(daemons, supernode)
     for prompt, a, b in zip(PROMPTS, alone, together):
         assert b == a, f"{prompt!r}: batched {b} != alone {a}" + meshlab.fail_report()
-    generated = sum(len(t) for t in together)
-    assert steps < generated * 0.75, f"{steps} steps for {generated} tokens: not batched"
+    # Sessions are spread over one lane per stage, so count steps that carried
+    # several sessions at once: those are the batches.
+    shared = stats["shared_steps"] - shared_before
+    assert stats["max_batch"] >= 2 and shared >= 5, f"{shared} shared steps, {stats}: not batched"
 
 
-def entry_status_steps(daemons, supernode: str) -> int:
-    """Batched steps the supernode's scheduler has run so far."""
+def scheduler_stats(daemons, supernode: str) -> dict:
+    """The supernode's scheduler figures from its /status."""
     sn = next(d for d in daemons if d.node_id == supernode)
-    return sn.status()["node"]["scheduler"]["steps"]
+    return sn.status()["node"]["scheduler"]

@@ -24,6 +24,7 @@ from protocol.messages import (
     Drop,
     Fail,
     Forward,
+    ForwardBatch,
     Hello,
     NodeId,
     Ping,
@@ -31,6 +32,8 @@ from protocol.messages import (
     Pong,
     Reject,
     Result,
+    ResultBatch,
+    Segment,
     SessionId,
 )
 from shards.span import Span
@@ -59,6 +62,9 @@ SAMPLES = [
     Result(term=3, session=SessionId("s1"), req=9, hidden=HIDDEN * 2),
     Fail(term=3, req=9, reason="engine error"),
     Drop(term=3, session=SessionId("s1")),
+    ForwardBatch(term=3, req=10, segments=(Segment(SessionId("s1"), 17, 1), Segment(SessionId("s2"), 0, 2)),
+                 hidden=HIDDEN),
+    ResultBatch(term=3, req=10, hidden=HIDDEN * 3),
 ]
 
 
