@@ -37,11 +37,13 @@ sys.path.insert(0, str(ROOT))
 from tests.meshlab import MeshLab  # noqa: E402
 from tests.netlab import Lab, netlab_available  # noqa: E402
 
+# Mid-sentence prompts: an instruct model asked a question may answer with an
+# end-of-turn at once; these it continues.
 PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how a bicycle stays upright.",
-    "List three facts about the moon.",
-    "Describe the smell of rain in one paragraph.",
+    "The old lighthouse keeper climbed the stairs and",
+    "A bicycle stays upright because the rider",
+    "The moon is about a quarter of the size of the Earth, and its surface",
+    "After the rain stopped, the streets of the city",
 ]
 PROFILES = {
     "mesh3": None,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from meshd.config import DEVICES, DTYPES, Config, build_config
+from meshd.config import DEVICES, DTYPES, build_config
 from meshd.errors import ConfigError, MeshError
 from meshd.logs import setup_logging
 

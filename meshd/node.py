@@ -13,7 +13,6 @@ import contextlib
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -23,12 +22,13 @@ from aiohttp import web
 
 from meshd import api, leader, stage
 from meshd.config import Config
-from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen
+from meshd.discovery import Advert, Discovery
 from meshd.election import elect
-from meshd.errors import AuthError, BadRequest, NoCapacity, ProtocolError
+from meshd.errors import BadRequest, NoCapacity
 from meshd.metrics import NodeMetrics
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
-from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
+from meshd.links import LinkKeeper, LostPeer, url_host
+from meshd.peers import Link, LocalIdentity
 from meshd.pipeline import Pipeline
 from meshd.placement import Candidate
 from meshd.scheduler import Scheduler, kv_bytes_per_token
@@ -41,7 +41,6 @@ from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
-LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
 DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured
 TERMS_KEPT = 20  # term history shown by /status
 KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured
@@ -71,18 +70,6 @@ def tls_contexts(config: Config) -> tuple[ssl.SSLContext | None, ssl.SSLContext 
     return server, client
 
 
-def url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
-
-
-@dataclass(slots=True)
-class LostPeer:
-    hello: object
-    addr: str
-    since: float
-    reason: str
-
-
 class Node:
     def __init__(self, config: Config):
         self.config = config
@@ -96,7 +83,7 @@ class Node:
         self.control_keys = config.load_keys(config.control_key_file)
         self.links: dict[NodeId, Link] = {}
         self.lost: dict[NodeId, LostPeer] = {}
-        self.adverts: dict[NodeId, Advert] = {}
+        self.keeper = LinkKeeper(self)
         self.term = 0
         self.supernode: NodeId | None = None
         self.plan: Plan | None = None  # the active plan as this peer knows it
@@ -122,10 +109,8 @@ class Node:
         self._view_reason = "start"
         self.draining: set[NodeId] = set()  # supernode: peers being moved off the plan
         self.history: list[dict] = []  # the terms this peer has seen become active, newest last
-        self._events: asyncio.Queue = asyncio.Queue()
+        self.events: asyncio.Queue = asyncio.Queue()  # discovery's PeerSeen / PeerGone
         self._lead_task: asyncio.Task | None = None
-        self._dialing: set[str] = set()
-        self._dial_after: dict[str, float] = {}
         self.caps = self._capabilities()
         self.metrics = NodeMetrics(self)  # one registry per node: several run in one test process
 
@@ -202,7 +187,7 @@ class Node:
                               middlewares=[api.auth_middleware, api.errors_middleware])
         app[api.NODE] = self
         api.add_routes(app)
-        app.router.add_get("/mesh/ws", self._ws_handler)
+        app.router.add_get("/mesh/ws", self.keeper.ws_handler)
         app.router.add_get("/mesh/files/{model}/{name}", self._files_handler)
         return app
 
@@ -225,13 +210,13 @@ class Node:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 if self.config.mdns:
-                    discovery = Discovery(self._advert(), self._events, list(self.config.mdns_interface) or None)
+                    discovery = Discovery(self._advert(), self.events, list(self.config.mdns_interface) or None)
                     await discovery.start()
-                    tg.create_task(self._discovery_loop())
+                    tg.create_task(self.keeper.discovery_loop())
                 tg.create_task(self._election_loop())
                 tg.create_task(self.scheduler.run())
-                tg.create_task(self._heartbeat_loop())
-                tg.create_task(self._connect_loop())
+                tg.create_task(self.keeper.heartbeat_loop())
+                tg.create_task(self.keeper.connect_loop())
                 if on_ready is not None:
                     tg.create_task(self._notify_ready(on_ready))
                 if watchdog is not None:
@@ -286,166 +271,9 @@ class Node:
         return Advert(self.node_id, self.config.name, self.config.mesh, PROTOCOL_VERSION, "", self.config.port,
                       self.caps.vram, self.caps.ram, self.device)
 
-    async def _discovery_loop(self) -> None:
-        while True:
-            event = await self._events.get()
-            match event:
-                case PeerSeen(advert=advert):
-                    self.adverts[advert.node_id] = advert
-                case PeerGone(node_id=node_id):
-                    self.adverts.pop(node_id, None)
-                    link = self.links.get(node_id)
-                    if link is not None:  # mDNS says gone: confirm with a ping, the heartbeat decides
-                        with contextlib.suppress(Exception):
-                            await link.call_ping()
-
-    def _dial_targets(self) -> list[tuple[str, str, int]]:
-        targets = []
-        linked_addrs = {(link.addr, link.caps.api_port) for link in self.links.values() if link.alive}
-        for advert in self.adverts.values():
-            # One link per pair: the peer with the smaller id dials.
-            if advert.node_id not in self.links and self.node_id < advert.node_id:
-                targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port))
-        for addr in self.config.peer:
-            host, _, port = addr.rpartition(":")
-            if (host, int(port)) not in linked_addrs:
-                targets.append((addr, host, int(port)))
-        return targets
-
-    async def _connect_loop(self) -> None:
-        while True:
-            now = time.monotonic()
-            for key, host, port in self._dial_targets():
-                if key in self._dialing or self._dial_after.get(key, 0) > now:
-                    continue
-                self._dialing.add(key)
-                self.spawn(self._dial(key, host, port))
-            await asyncio.sleep(0.5)
-
-    async def _dial(self, key: str, host: str, port: int) -> None:
-        url = f"{'wss' if self.config.tls_cert else 'ws'}://{url_host(host)}:{port}/mesh/ws"
-        try:
-            try:
-                ws = await self.http.ws_connect(
-                    url, max_msg_size=self.config.max_frame_bytes, compress=0, autoping=True,
-                    timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
-                )
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                self._backoff(key)
-                log.debug("dial_failed", url=url, error=str(exc))
-                return
-            try:
-                hello = await handshake(ws, self.identity, self.caps)
-            except SelfLink:
-                self._dial_after[key] = float("inf")  # never again
-                await ws.close()
-                return
-            except (AuthError, ProtocolError) as exc:
-                self._backoff(key, refused=True)
-                log.warning("peer_refused", addr=f"{host}:{port}", reason=str(exc))
-                await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())
-                return
-            except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-                self._backoff(key)
-                log.info("handshake_failed", addr=f"{host}:{port}", reason=str(exc))
-                await ws.close()
-                return
-            self._dial_after.pop(key, None)
-            await self._serve_link(Link(ws, hello, host, True, self.config.max_frame_bytes))
-        finally:
-            self._dialing.discard(key)
-
-    def _backoff(self, key: str, refused: bool = False) -> None:
-        wait = 10.0 if refused else 1.0
-        self._dial_after[key] = time.monotonic() + wait
-
-    async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, compress=False, autoping=True)
-        await ws.prepare(request)
-        try:
-            hello = await handshake(ws, self.identity, self.caps)
-        except SelfLink:
-            await ws.close()
-            return ws
-        except (AuthError, ProtocolError) as exc:
-            log.warning("peer_refused", addr=request.remote, reason=str(exc))
-            await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())
-            return ws
-        except (ConnectionError, TimeoutError) as exc:
-            log.info("handshake_failed", addr=request.remote, reason=str(exc))
-            return ws
-        await self._serve_link(Link(ws, hello, request.remote or "", False, self.config.max_frame_bytes))
-        return ws
-
-    async def _serve_link(self, link: Link) -> None:
-        if self.config.debug_link_delay_ms:
-            link.simulate_delay(self.config.debug_link_delay_ms, self.config.debug_link_jitter_ms)
-        if not self._register(link):
-            await link.close("duplicate link", CLOSE_DUPLICATE)
-            return
-        try:
-            await link.read_loop(self._handle)
-        finally:
-            self._unregister(link)
-
-    def _preferred(self, link: Link) -> bool:
-        """Of two links to one peer, keep the one the smaller id dialed."""
-        return link.dialed == (self.node_id < link.peer_id)
-
-    def _register(self, link: Link) -> bool:
-        old = self.links.get(link.peer_id)
-        if old is not None and old.alive and self._preferred(old) and not self._preferred(link):
-            return False
-        self.links[link.peer_id] = link
-        self.lost.pop(link.peer_id, None)
-        if old is not None and old.alive:
-            self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
-        log.info("peer_joined", peer=link.peer_id, name=link.hello.name, addr=link.addr,
-                 device=link.caps.device, vram=link.caps.vram)
-        self.draining.discard(link.peer_id)  # a peer that comes back is no longer drained
-        self.view_changed(f"peer {link.peer_id} joined")
-        self.spawn(self._ping(link))  # an RTT to show (and to place by) from the start
-        return True
-
-    def _unregister(self, link: Link) -> None:
-        if self.links.get(link.peer_id) is not link:
-            return
-        del self.links[link.peer_id]
-        self.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
-        log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
-        # A peer with no span (idle, or drained before it stopped) that is not the
-        # supernode leaves the plan and the election as they are: re-planning would
-        # only bump the term and replay every stream. Unless a negotiation waits on it.
-        plan = self.plan
-        negotiating = self._lead_task is not None and not self._lead_task.done()
-        if (plan is not None and not negotiating and link.peer_id != self.supernode
-                and all(a.node != link.peer_id for a in plan.assignments)):
-            return
-        self.view_changed(f"peer {link.peer_id} lost: {link.close_reason}", urgent=True)
-
-    async def _heartbeat_loop(self) -> None:
-        """Ping every link each beat; a link silent for ``missed_beats`` beats is lost
-        (a hung or partitioned peer sends no close)."""
-        beat = self.config.heartbeat_s
-        limit = beat * self.config.missed_beats
-        while True:
-            now = time.monotonic()
-            for link in list(self.links.values()):
-                if now - link.last_heard > limit:
-                    self.spawn(link.close(f"missed {self.config.missed_beats} heartbeats"))
-                else:
-                    self.spawn(self._ping(link))
-            for pid in [p for p, lost in self.lost.items() if time.time() - lost.since > LOST_SHOWN_S]:
-                del self.lost[pid]
-            await asyncio.sleep(beat)
-
-    async def _ping(self, link: Link) -> None:
-        with contextlib.suppress(Exception):
-            await link.call_ping()
-
     # -- messages ------------------------------------------------------------------
 
-    async def _handle(self, link: Link, msg: Message) -> None:
+    async def handle(self, link: Link, msg: Message) -> None:
         """Everything the link's read loop does not settle itself; nothing here may
         block the read loop, so work goes to tasks."""
         await stage.handle(self, link, msg)

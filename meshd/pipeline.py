@@ -111,8 +111,10 @@ class Pipeline:
                 attempts += 1
                 if attempts > MAX_STEP_ATTEMPTS:
                     raise NoCapacity(f"a step failed {attempts} times; last: {exc}") from None
-                if isinstance(exc, StageFailed) and self.on_stage_failed is not None:
-                    # The link is up, so no loss will be seen: ask for the new plan.
+                current = self._plan.term if self._plan is not None else None
+                if isinstance(exc, StageFailed) and current == plan.term and self.on_stage_failed is not None:
+                    # The link is up, so no loss will be seen: ask for a new plan. (A
+                    # step of an older term failing is explained by the newer plan.)
                     self.on_stage_failed(str(exc))
                 failed_term = plan.term
                 for s in sessions:

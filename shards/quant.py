@@ -289,7 +289,6 @@ class QuantLinear(nn.Module):
         return self.path
 
     def _pack_int4(self, dev: torch.device) -> tuple[Tensor, Tensor, str]:
-        g = self.group_size
         scales, zeros = self.scales.float(), self.zeros.float()  # [N, G]
         # The kernels compute (code - 8) * scale + zero'; ours is code * scale + zero.
         sz = torch.stack((scales.t(), (zeros + 8 * scales).t()), dim=-1).to(self._kdtype).contiguous()  # [G, N, 2]
