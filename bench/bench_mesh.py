@@ -228,13 +228,16 @@ def phase_speed(args, work: Path) -> dict:
         lab.close()
 
 
-def phase_start(args, work: Path) -> dict:
+def phase_start(args, work: Path, present: bool = False) -> dict:
+    """(b): with ``present``, every daemon has the model's shards already (the
+    issue's figure); else one has them and three fetch their spans."""
     lab = new_lab()
-    mesh = MeshLab(lab, work / "start")
+    mesh = MeshLab(lab, work / ("start-present" if present else "start"))
     try:
         hosts = [lab.add_host() for _ in range(4)]  # before the clock: the lab is not the mesh
         ds = [start(mesh, hosts[0], name="s0", model=str(args.model), vram=4 * GiB)]
-        ds += [start(mesh, h, name=f"s{i}", model=args.model.name, vram=(4 - i) * GiB)
+        ds += [start(mesh, h, name=f"s{i}", model=str(args.model) if present else args.model.name,
+                     vram=(4 - i) * GiB)
                for i, h in enumerate(hosts[1:], start=1)]
         view = mesh.wait_converged(ds, timeout=600)
         t0 = min(d.started_wall for d in ds)
@@ -297,6 +300,11 @@ def main() -> int:
             print(f"    {k}: {w['bytes_per_step']} bytes per decode step (rx {w['rx_per_step']}, "
                   f"tx {w['tx_per_step']}; over {w['steps']} steps; idle {w['idle_bytes_per_s']} B/s subtracted)")
     if not args.skip_start:
+        present = phase_start(args, work, present=True)
+        print(f"\n(b) 4 daemons started together, shards present on each: converged active plan "
+              f"in {present['converged_s']:.2f} s [target < 5 s] (plan {present['plan']})")
+        print(f"    first plan_active per daemon, s after the first spawn: "
+              f"{ {k: round(v, 2) for k, v in present['first_plan_active_s'].items()} }")
         st = phase_start(args, work)
         print(f"\n(b) 4 daemons started together (1 with the model, 3 fetching): converged active plan "
               f"in {st['converged_s']:.2f} s (term {st['term']}, plan {st['plan']})")

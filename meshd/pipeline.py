@@ -86,11 +86,11 @@ class Pipeline:
             assert self._plan is not None
             return self._plan
 
-    async def step(self, sessions: list) -> dict[str, torch.Tensor | None]:
+    async def step(self, sessions: list, pick: Callable[[object, torch.Tensor], int]) -> dict[str, int | None]:
         """One forward of a batch through the plan: each session contributes the
         rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
-        per session the next-token logits [V], or None while its prompt (or replay)
-        still has rows to go. A lost peer makes the step wait for the next plan and
+        per session its next token, ``pick(session, logits [V])`` (run on the engine's
+        thread), or None while its prompt (or replay) still has rows to go. A lost peer makes the step wait for the next plan and
         replay every session of the batch from position 0."""
         failed_term: int | None = None
         attempts = 0
@@ -120,19 +120,20 @@ class Pipeline:
                 for s in sessions:
                     s.term = None
                 continue
-            out: dict[str, torch.Tensor | None] = {}
+            out: dict[str, int | None] = {}
             done, rows_at = [], 0
             for s, start, rows in work:
                 s.cached, s.term = start + rows, plan.term
                 rows_at += rows
                 if s.cached == len(s.tokens):
-                    done.append((s.id, rows_at - 1))
+                    done.append((s, rows_at - 1))
                 else:
                     out[s.id] = None
             if done:
-                logits = await self._head_engine().head(hidden[[row for _, row in done]])
-                for (sid, _), row_logits in zip(done, logits):
-                    out[sid] = row_logits
+                picked = await self._head_engine().head_then(
+                    hidden, [row for _, row in done], lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
+                for (s, _), token in zip(done, picked):
+                    out[s.id] = token
             return out
 
     async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:

@@ -116,7 +116,7 @@ class Scheduler:
             for s in batch:
                 s.in_step = True
             try:
-                results = await self.pipeline.step(batch)
+                results = await self.pipeline.step(batch, _pick)
             except MeshError as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
@@ -132,10 +132,9 @@ class Scheduler:
                 self.shared_steps += 1
             self.max_batch = max(self.max_batch, len(batch))
             for s in batch:
-                logits = results.get(s.id)
-                if logits is None or s.finished:
+                token = results.get(s.id)
+                if token is None or s.finished:
                     continue
-                token = s.sampler.next(logits, len(s.generated))
                 if token in s.eos:
                     self._finish(s, None)
                     continue
@@ -241,6 +240,11 @@ class Scheduler:
             log.info("session_finished", tokens=delivered, finish=finish,
                      seconds=round(time.monotonic() - t0, 3))
             structlog.contextvars.unbind_contextvars("session")
+
+
+def _pick(session: Session, logits: torch.Tensor) -> int:
+    """The session's next token from its logits (on the engine's thread)."""
+    return session.sampler.next(logits, len(session.generated))
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

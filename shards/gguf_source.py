@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from meshd.errors import ModelError
 from shards.config import ModelConfig
+from shards.source import TensorSource
 from shards.quant import from_q4_1
 from shards.tokenizer import tokenizer_from_gguf
 
@@ -55,7 +56,10 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
-class GGUFSource:
+class GGUFSource(TensorSource):
+    EMBED_NAMES = EMBED_NAMES
+    LAYER_NAMES = LAYER_NAMES
+
     format = "gguf"
 
     def __init__(self, path: Path):
@@ -114,14 +118,8 @@ class GGUFSource:
         arr = dequantize(t.data, t.tensor_type)  # numpy, rows-major: [out, in]
         return torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
 
-    def embed_tensors(self) -> dict[str, torch.Tensor]:
-        names = dict(EMBED_NAMES)
-        if self.config.tie_embeddings:
-            del names["output.weight"]
-        return {ours: self._get(theirs) for ours, theirs in names.items()}
-
     def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        out = {ours: self._get(theirs.format(i=i)) for ours, theirs in LAYER_NAMES.items()}
+        out = super().layer_tensors(i)
         c = self.config
         out["attention.wq.weight"] = unpermute_rope(out["attention.wq.weight"], c.n_heads)
         out["attention.wk.weight"] = unpermute_rope(out["attention.wk.weight"], c.n_kv_heads)

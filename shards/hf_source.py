@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from meshd.errors import ModelError
 from shards.config import ModelConfig
+from shards.source import TensorSource
 
 # Our tensor name -> the Hugging Face Llama name (``{i}`` is the layer number).
 EMBED_NAMES = {
@@ -45,7 +46,10 @@ def _rope_theta(cfg: dict) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-class HFSource:
+class HFSource(TensorSource):
+    EMBED_NAMES = EMBED_NAMES
+    LAYER_NAMES = LAYER_NAMES
+
     format = "hf"
 
     def __init__(self, path: Path):
@@ -106,15 +110,6 @@ class HFSource:
             raise ModelError(f"{self.path} lacks tensor {name}")
         with safe_open(str(f), framework="pt") as st:
             return st.get_tensor(name).to(torch.float32)
-
-    def embed_tensors(self) -> dict[str, torch.Tensor]:
-        names = dict(EMBED_NAMES)
-        if self.config.tie_embeddings:
-            del names["output.weight"]
-        return {ours: self._get(theirs) for ours, theirs in names.items()}
-
-    def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        return {ours: self._get(theirs.format(i=i)) for ours, theirs in LAYER_NAMES.items()}
 
     def tokenizer_bytes(self) -> bytes:
         """Their tokenizer.json as is, after checking that it loads."""
