@@ -1,0 +1,39 @@
+"""A quantized model split across namespaced peers answers what it answers on one node."""
+
+from __future__ import annotations
+
+import pytest
+
+from shards.convert import convert
+from shards.manifest import Manifest
+from tests.meshlab import complete, greedy_reference
+
+PROMPT = "quantized spans"
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_dir(tiny_hf_dir, tmp_path_factory):
+    return convert(tiny_hf_dir, tmp_path_factory.mktemp("tiny-int4") / "tiny-int4", quantize="int4",
+                   quantize_head="int8", name="tiny-int4", progress=False)
+
+
+@pytest.mark.netns
+def test_int4_span_across_peers_equals_one_node(meshlab, tiny_int4_dir):
+    assert Manifest.load(tiny_int4_dir).dtype == "int4"
+    hosts = [meshlab.lab.add_host() for _ in range(3)]
+    # The layer delay makes every peer worth a span; the two without files fetch theirs.
+    daemons = [
+        meshlab.start(h, model=str(tiny_int4_dir) if i == 0 else "tiny-int4", vram=(3 - i) * 10**9,
+                      layer_delay_ms=5.0)
+        for i, h in enumerate(hosts)
+    ]
+    view = meshlab.wait_converged(daemons, n_stages=2)
+    owners = {a["node"] for a in view["plan"]}
+    assert len(owners) >= 2, view["plan"]
+    entry = next(d for d in daemons if d.node_id != view["supernode"])
+    got, _ = complete(entry.url, PROMPT, TOKENS)
+    want = greedy_reference(tiny_int4_dir, PROMPT, TOKENS)
+    assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
+    fetched = next(d for d in daemons if d.node_id in owners and d is not daemons[0])
+    assert any(fetched.state_dir.glob("models/tiny-int4/layer-*.safetensors")), "the quantized span was not fetched"
