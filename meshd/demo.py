@@ -22,6 +22,7 @@ from pathlib import Path
 from meshd.cli import free_port
 from meshd.config import build_config
 from meshd.meshctl import format_status, get_json
+from shards.manifest import Manifest
 
 READY_TIMEOUT_S = 300.0
 
@@ -39,8 +40,10 @@ def _wait_serving(urls: list[str], n: int, procs: list[subprocess.Popen], deadli
             time.sleep(0.5)
             continue
         last = views[0]
-        if all(v.get("serving") for v in views) and len({v["term"] for v in views}) == 1 \
-                and len(views[0]["plan"]) == n:
+        # Every peer serving under one term and seeing all the others. Not "n stages":
+        # placement may rightly give the supernode no layers, or a peer none.
+        linked = all(sum(p["state"] != "lost" for p in v["peers"]) == n for v in views)
+        if all(v.get("serving") for v in views) and len({v["term"] for v in views}) == 1 and linked:
             return views[0]
         time.sleep(0.5)
     raise RuntimeError(f"the mesh did not become ready in time; last status: {json.dumps(last)[:800]}")
@@ -50,7 +53,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from shards.fetch import fetch_default
 
     state = build_config(flags={"state_dir": args.state_dir}).state_dir
-    model_dir = fetch_default(state, args.model)
+    given = Path(args.model).expanduser()
+    # A model directory is used as it is (tests run the demo on a tiny one); a name is fetched.
+    model_dir = given if (given / "manifest.json").is_file() else fetch_default(state, args.model)
+    name = Manifest.load(model_dir).name
     work = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
     secret = work / "secret"
     secret.write_text(secrets.token_hex(32) + "\n")
@@ -70,7 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 # The first peer has the model and, advertising the most VRAM, is supernode.
                 argv += ["--model", str(model_dir), "--advertise-vram", str(1 << 30)]
             else:
-                argv += ["--model", args.model]
+                argv += ["--model", name]
             log = open(work / f"peer-{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
@@ -81,7 +87,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"mesh ready in {time.monotonic() - t0:.1f} s", flush=True)
 
         entry = urls[-1]  # not the supernode: the request is proxied to it
-        body = json.dumps({"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+        body = json.dumps({"model": name, "prompt": args.prompt, "max_tokens": args.max_tokens,
                            "temperature": 0}).encode()
         req = urllib.request.Request(entry + "/v1/completions", body, {"Content-Type": "application/json"})
         t1 = time.monotonic()
