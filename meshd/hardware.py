@@ -6,31 +6,29 @@ import time
 
 import torch
 
+from shards import engine
+
 
 def pick_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    if torch.cuda.is_available():
-        return "cuda"
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    """The device name this peer advertises: the same choice the engine makes."""
+    return engine.pick_device(requested).type
+
+
+def _meminfo(key: str) -> int | None:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def total_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _meminfo("MemTotal") or 0
 
 
 def available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return total_ram() // 2
+    available = _meminfo("MemAvailable")
+    return available if available is not None else total_ram() // 2
 
 
 def detect_vram(device: str) -> int:

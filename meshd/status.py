@@ -30,10 +30,7 @@ def _role(node: Node, peer_id: str) -> str:
 def _state(node: Node, peer_id: str) -> str:
     if peer_id in node.draining:
         return "draining" if _span_of(node, peer_id) is not None else "drained"
-    if node.plan is None:
-        return "joining"
-    in_plan = any(a.node == peer_id for a in node.plan.assignments)
-    return "ready" if in_plan or peer_id == node.supernode or _span_of(node, peer_id) is None else "joining"
+    return "joining" if node.plan is None else "ready"
 
 
 def build_status(node: Node) -> dict:
