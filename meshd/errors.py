@@ -1,5 +1,17 @@
 """The error hierarchy. Caught in three places only: the link read loop,
-the HTTP handler, and the pipeline's retry loop."""
+the HTTP handler, and the pipeline's retry loop.
+
+The model side (shards/) has its own base, ``ShardsError``; its model and
+shard errors are re-exported here, one class each, so ``except ModelError``
+means the same in both. ``KNOWN_ERRORS`` is what a catch site names when it
+takes any error raised on purpose, by meshd or by the model side."""
+
+from shards.errors import InvalidParams, ModelError, ShardCorrupt, ShardMissing, ShardsError
+
+__all__ = [
+    "AuthError", "BadRequest", "ConfigError", "InvalidParams", "KNOWN_ERRORS", "MeshError", "ModelError",
+    "NoCapacity", "PeerLost", "ProtocolError", "ShardCorrupt", "ShardMissing", "ShardsError", "StageFailed",
+]
 
 
 class MeshError(Exception):
@@ -26,18 +38,6 @@ class StageFailed(PeerLost):
     """A peer answered a step with Fail (its link is up): only a new plan helps."""
 
 
-class ShardMissing(MeshError):
-    """A shard file is absent from the model directory."""
-
-
-class ShardCorrupt(MeshError):
-    """A shard file's size or sha256 does not match the manifest."""
-
-
-class ModelError(MeshError):
-    """A model directory or source file that cannot be used."""
-
-
 class NoCapacity(MeshError):
     """The mesh cannot hold or serve the model right now (HTTP 503)."""
 
@@ -49,3 +49,6 @@ class BadRequest(MeshError):
         super().__init__(message)
         self.status = status
         self.param = param
+
+
+KNOWN_ERRORS = (MeshError, ShardsError)

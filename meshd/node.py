@@ -2,8 +2,8 @@
 links and every long-lived task (inside one TaskGroup), and holds what this
 peer knows of the mesh: who is supernode, under which term, with which plan.
 
-The supernode's side of negotiation lives in ``meshd.leader``, a stage's side
-(plans, loading a span, serving forwards) in ``meshd.stage``.
+The supernode's side of negotiation lives in ``meshd.control.leader``, a stage's side
+(plans, loading a span, serving forwards) in ``meshd.control.follower``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,20 @@ import structlog
 import torch
 from aiohttp import web
 
-from meshd import api, leader, stage
 from meshd.config import Config
-from meshd.discovery import Advert, Discovery
-from meshd.election import elect
+from meshd.control import follower, leader
+from meshd.control.discovery import Advert, Discovery
+from meshd.control.election import elect
+from meshd.control.links import LinkKeeper, LostPeer, url_host
+from meshd.control.peers import Link, LocalIdentity
+from meshd.control.placement import Candidate
+from meshd.control.transfer import AUTH_HEADER, check_files_token, files_token, serve_file
 from meshd.errors import BadRequest, NoCapacity
-from meshd.metrics import NodeMetrics
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
-from meshd.links import LinkKeeper, LostPeer, url_host
-from meshd.peers import Link, LocalIdentity
-from meshd.pipeline import Pipeline
-from meshd.placement import Candidate
-from meshd.scheduler import Scheduler, kv_bytes_per_token
-from meshd.transfer import AUTH_HEADER, check_files_token, files_token, serve_file
+from meshd.serving import api
+from meshd.serving.metrics import NodeMetrics
+from meshd.serving.pipeline import Pipeline
+from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
 from protocol.messages import PROTOCOL_VERSION, Bye, Capabilities, Message, NodeId, Plan
 from shards.engine import StageEngine
 from shards.fetch import list_models
@@ -276,7 +277,7 @@ class Node:
     async def handle(self, link: Link, msg: Message) -> None:
         """Everything the link's read loop does not settle itself; nothing here may
         block the read loop, so work goes to tasks."""
-        await stage.handle(self, link, msg)
+        await follower.handle(self, link, msg)
 
     # -- election --------------------------------------------------------------------
 
@@ -370,7 +371,7 @@ class Node:
         return serve_file(self.model_dir, self.manifest, request.match_info["model"], request.match_info["name"])
 
     def status(self) -> dict:
-        from meshd.status import build_status
+        from meshd.serving.status import build_status
 
         return build_status(self)
 

@@ -6,7 +6,7 @@ is off (wrong type, missing key, unknown tag, bad span or tensor, trailing bytes
 oversize) is a ``ProtocolError`` naming what and where, and closes that one link.
 Spans travel as ``[start, stop]``, tensors as ``{dtype, shape, data}`` through
 ``pack_tensor`` / ``unpack_tensor``. The codec checks shape, not meaning: whether
-a plan covers the model is ``meshd.placement.validate``'s job, and whether a
+a plan covers the model is ``meshd.control.placement.validate``'s job, and whether a
 Hello's version is ours is the handshake's.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 
 
 @dataclass(frozen=True, slots=True)

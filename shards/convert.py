@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from meshd.errors import MeshError, ModelError
+from shards.errors import ModelError, ShardsError
 from shards import quant
 from shards.gguf_source import GGUFSource, is_gguf
 from shards.hf_source import HFSource, is_hf_dir
@@ -61,7 +61,7 @@ def _up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> 
         if manifest.name != name or manifest.dtype != dtype or manifest.quant != qspec:
             return False
         manifest.verify(out)
-    except MeshError as e:
+    except ShardsError as e:
         log.info("convert_redo", out=str(out), reason=str(e))
         return False
     return True

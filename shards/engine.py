@@ -17,7 +17,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
 from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_cos_sin

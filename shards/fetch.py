@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards.convert import convert
 from shards.manifest import MANIFEST_FILE, Manifest
 

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.source import TensorSource
 from shards.quant import from_q4_1

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.source import TensorSource
 

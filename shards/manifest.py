@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from meshd.errors import ModelError, ShardCorrupt, ShardMissing
+from shards.errors import ModelError, ShardCorrupt, ShardMissing
 from shards.config import ModelConfig
 from shards.span import Span
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards import quant
 from shards.config import ModelConfig
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file

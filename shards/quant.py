@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 
 log = structlog.get_logger()
 

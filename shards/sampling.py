@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from meshd.errors import BadRequest
+from shards.errors import InvalidParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,13 +22,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
-            raise BadRequest(f"temperature {self.temperature} must be within [0, 100]", param="temperature")
+            raise InvalidParams(f"temperature {self.temperature} must be within [0, 100]", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise BadRequest(f"top_p {self.top_p} must be within (0, 1]", param="top_p")
+            raise InvalidParams(f"top_p {self.top_p} must be within (0, 1]", param="top_p")
         if self.max_tokens < 0:
-            raise BadRequest(f"max_tokens {self.max_tokens} must not be negative", param="max_tokens")
+            raise InvalidParams(f"max_tokens {self.max_tokens} must not be negative", param="max_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise BadRequest("stop strings must be non-empty strings", param="stop")
+            raise InvalidParams("stop strings must be non-empty strings", param="stop")
 
 
 class Sampler:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from meshd.errors import ModelError
+from shards.errors import ModelError
 from shards.manifest import TOKENIZER_FILE, Manifest
 
 # GGUF token types (llama.cpp's llama_token_type).

@@ -21,7 +21,7 @@ T0 = time.time()  # before the heavy imports, so start-up time is counted
 
 import structlog  # noqa: E402
 
-from meshd.discovery import Advert, Discovery, PeerGone, PeerSeen  # noqa: E402
+from meshd.control.discovery import Advert, Discovery, PeerGone, PeerSeen  # noqa: E402
 
 
 def out(ev: str, **fields) -> None:

@@ -242,7 +242,7 @@ class MeshLab:
         name = name or host.name
         state = self.workdir / f"state-{name}"
         state.mkdir(parents=True, exist_ok=False)  # a fresh, empty state dir per daemon per run
-        argv = [sys.executable, "-m", "meshd.cli", "run", "--name", name, "--host", host.addr,
+        argv = [sys.executable, "-m", "meshd.tools.cli", "run", "--name", name, "--host", host.addr,
                 "--port", str(port), "--mesh", mesh, "--secret-file", str(secret_file or self.secret_file),
                 "--state-dir", str(state), "--model", model, "--device", "cpu", "--dtype", "float32",
                 "--log-level", "info"]

@@ -494,7 +494,7 @@ async def test_node_without_its_model_answers_503_and_says_why(tmp_path):
                 assert_error_body(data)
                 assert "no model" in data["error"]["message"]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "meshd.meshctl", "status", "--url", served.url,
+            sys.executable, "-m", "meshd.tools.meshctl", "status", "--url", served.url,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 1, err

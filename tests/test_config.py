@@ -20,7 +20,7 @@ def meshd(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
     import os
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
-    return subprocess.run([sys.executable, "-m", "meshd.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "meshd.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=base | (env or {}))
 
 

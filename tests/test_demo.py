@@ -9,7 +9,7 @@ import sys
 
 def test_demo_runs_a_local_mesh_and_answers(tiny_model_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "meshd.cli", "demo", "--peers", "3", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "meshd.tools.cli", "demo", "--peers", "3", "--model", str(tiny_model_dir),
          "--max-tokens", "6", "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=240,
     )

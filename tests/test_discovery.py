@@ -19,7 +19,7 @@ from pathlib import Path
 import ifaddr
 import pytest
 
-from meshd.discovery import SERVICE_TYPE, Advert, Discovery, PeerGone, PeerSeen, default_interfaces
+from meshd.control.discovery import SERVICE_TYPE, Advert, Discovery, PeerGone, PeerSeen, default_interfaces
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -318,7 +318,7 @@ def test_loopback_mode_sends_nothing_on_a_real_nic(lab, probes):
 def test_no_interfaces_falls_back_to_loopback_and_says_so(monkeypatch):
     from structlog.testing import capture_logs
 
-    import meshd.discovery as discovery
+    import meshd.control.discovery as discovery
 
     monkeypatch.setattr(discovery, "default_interfaces", lambda: [])
     advert = Advert("x", "x", "m", 1, "0.0.0.0", 1, 0, 0, "cpu")

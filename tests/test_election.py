@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from meshd.election import accepts_plan, elect, next_term
-from meshd.placement import Candidate
+from meshd.control.election import accepts_plan, elect, next_term
+from meshd.control.placement import Candidate
 from protocol.messages import NodeId
 
 GiB = 2**30

@@ -264,7 +264,7 @@ def test_sigkill_of_the_supernode_entry_peer_resubmits(fm):
 
 def meshctl_row(fm: FaultMesh, at: Daemon, peer: Daemon) -> str:
     script = Path(sys.executable).parent / "meshctl"
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "meshd.meshctl"]
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "meshd.tools.meshctl"]
     res = subprocess.run(argv + ["status", "--url", at.url], capture_output=True, text=True, timeout=60)
     rows = [ln for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] == peer.node_id]
     assert rows, f"meshctl shows no row for {peer.node_id}:\n{res.stdout}\n{res.stderr}"

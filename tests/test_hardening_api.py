@@ -61,7 +61,7 @@ def spawn(name: str, host: str, base: Path, model_dir: Path, *extra: str, scheme
     port = free_port()
     state = base / f"state-{name}"
     log_path = base / f"{name}.log"
-    cmd = [sys.executable, "-m", "meshd.cli", "run", "--no-mdns", "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", host, "--port", str(port),
            "--state-dir", str(state), "--model", str(model_dir), "--name", name, "--device", "cpu",
            "--dtype", "float32", "--log-level", "debug", *extra]
     with open(log_path, "ab") as log:
@@ -240,11 +240,11 @@ def test_secret_and_keys_are_never_shown(keyed, tmp_path):
             with urllib.request.urlopen(p.url + path, timeout=10) as resp:
                 shown[f"{p.name} {path}"] = resp.read().decode(errors="replace")
         for args in (("status",), ("status", "--json"), ("plan", "--json"), ("peers", "--json")):
-            out = subprocess.run([sys.executable, "-m", "meshd.meshctl", "--url", p.url, *args],
+            out = subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", "--url", p.url, *args],
                                  capture_output=True, text=True, timeout=60, env=daemon_env())
             assert out.returncode == 0, (args, out.stderr)
             shown[f"{p.name} meshctl {' '.join(args)}"] = out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "show", "--config", str(toml)],
+    out = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "config", "show", "--config", str(toml)],
                          capture_output=True, text=True, timeout=60, env=daemon_env())
     assert out.returncode == 0 and "keyed" in out.stdout, out.stderr
     shown["meshd config show"] = out.stdout + out.stderr

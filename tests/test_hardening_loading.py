@@ -21,7 +21,7 @@ import shutil
 import pytest
 import torch
 
-from meshd.errors import MeshError, ModelError, ShardCorrupt
+from meshd.errors import KNOWN_ERRORS, ModelError, ShardCorrupt
 from shards.engine import StageEngine
 from shards.manifest import MANIFEST_FILE, Manifest, layer_file
 from shards.span import Span
@@ -112,7 +112,7 @@ def test_pickle_under_a_safetensors_name_is_refused(model, no_unpickling, tmp_pa
     vouch(model, layer_file(2))  # the manifest vouches for it: only the format can tell
     with pytest.raises(ModelError, match=layer_file(2)) as info:
         load(model, Span(2, 3))
-    assert isinstance(info.value, MeshError)  # what a daemon catches, to Reject the plan
+    assert isinstance(info.value, KNOWN_ERRORS)  # what a daemon catches, to Reject the plan
     load(model, Span(3, 6)).close()
 
 

@@ -37,7 +37,7 @@ import pytest_asyncio
 import torch
 from structlog.testing import capture_logs
 
-from meshd.peers import CLOSE_AUTH, CLOSE_PROTOCOL, LocalIdentity, auth_mac, handshake
+from meshd.control.peers import CLOSE_AUTH, CLOSE_PROTOCOL, LocalIdentity, auth_mac, handshake
 from protocol.codec import decode, encode, pack_tensor
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -153,18 +153,18 @@ SERVED: list[int] = []  # one entry per Forward/ForwardBatch frame a peer got th
 
 @pytest.fixture(scope="module", autouse=True)
 def count_served_forwards():
-    """Counts the frames that reach the stage's forward handler (``meshd.stage.serve_forward``)."""
-    from meshd import stage
+    """Counts the frames that reach the stage's forward handler (``meshd.control.follower.serve_forward``)."""
+    from meshd.control import follower
 
-    real = stage.serve_forward
+    real = follower.serve_forward
 
     async def counting(*args, **kwargs):
         SERVED.append(1)
         return await real(*args, **kwargs)
 
-    stage.serve_forward = counting
+    follower.serve_forward = counting
     yield
-    stage.serve_forward = real
+    follower.serve_forward = real
 
 
 def forwarded(node) -> int:
@@ -530,7 +530,7 @@ async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
     from types import SimpleNamespace
 
     from meshd.errors import ModelError, PeerLost
-    from meshd.stage import LocalRunner, serve_forward
+    from meshd.control.follower import LocalRunner, serve_forward
     from shards.engine import StageEngine
 
     n = Manifest.load(tiny_model_dir).n_layers

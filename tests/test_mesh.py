@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.placement import validate
+from meshd.control.placement import validate
 from protocol.messages import Assignment
 from shards.manifest import MANIFEST_FILE, Manifest
 from shards.span import Span
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.netns
 
 def meshctl_argv() -> list[str]:
     script = Path(sys.executable).parent / "meshctl"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "meshd.meshctl"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "meshd.tools.meshctl"]
 
 
 def assignments(view: dict) -> list[Assignment]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from meshd.errors import ProtocolError
-from meshd.peers import CLOSE_PROTOCOL, LocalIdentity, handshake
+from meshd.control.peers import CLOSE_PROTOCOL, LocalIdentity, handshake
 from protocol.codec import decode, encode
 from protocol.messages import (
     Capabilities,

@@ -20,7 +20,7 @@ from tests.fixtures.daemon import free_port, http_get, running_daemon, status_js
 
 
 def meshctl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshd.meshctl", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

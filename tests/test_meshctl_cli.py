@@ -23,7 +23,7 @@ DELAY = ("--debug-layer-delay-ms", "3")
 
 
 def meshctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshd.meshctl", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", *args], capture_output=True, text=True,
                           timeout=timeout, env=daemon_env())
 
 
@@ -141,7 +141,7 @@ def test_generate_streams_the_completion(mesh):
     with urllib.request.urlopen(urllib.request.Request(b.url + "/v1/completions", body,
                                                        {"Content-Type": "application/json"}), timeout=60) as r:
         want = json.loads(r.read())["choices"][0]["text"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshd.meshctl", "--url", b.url, "generate", "Stream me",
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.tools.meshctl", "--url", b.url, "generate", "Stream me",
                              "--max-tokens", "24"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=daemon_env())
     try:
         chunks, times = [], []
@@ -189,7 +189,7 @@ def test_exit_codes_when_nobody_answers_or_the_mesh_cannot_serve(tiny_model_dir,
     # A daemon whose model is nowhere: it answers, but cannot serve.
     port = free_port()
     log = open(tmp_path / "nomodel.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "meshd.cli", "run", "--no-mdns", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1",
                              "--port", str(port), "--state-dir", str(tmp_path / "s"), "--model", "no-such-model",
                              "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
                             env=daemon_env() | {"MESHD_FAILOVER_WAIT_S": "1"})  # a 503 without waiting 30 s

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from meshd.errors import NoCapacity, ProtocolError
-from meshd.placement import Candidate, bottleneck, place, replan, validate
+from meshd.control.placement import Candidate, bottleneck, place, replan, validate
 from protocol.messages import Assignment, NodeId
 from shards.span import Span
 

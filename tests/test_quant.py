@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from meshd.cli import parser
+from meshd.tools.cli import parser
 from meshd.errors import NoCapacity
-from meshd.placement import Candidate, place
+from meshd.control.placement import Candidate, place
 from protocol.messages import NodeId
 from shards import quant
 from shards.convert import convert

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshd.errors import BadRequest
+from shards.errors import InvalidParams
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 
 
@@ -52,7 +52,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 @pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5},
                                     {"max_tokens": -1}, {"stop": ("",)}])
 def test_bad_params_refused(kwargs):
-    with pytest.raises(BadRequest):
+    with pytest.raises(InvalidParams):
         SamplingParams(**kwargs)
 
 

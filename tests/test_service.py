@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from meshd.config import build_config
-from meshd.service import render_config, render_unit, stop_timeout_s
+from meshd.tools.service import render_config, render_unit, stop_timeout_s
 from tests.fixtures.daemon import daemon_env, free_port, http_get, stop_daemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def test_unit_says_what_the_issue_asks():
 
 @pytest.fixture
 def installed(tmp_path) -> dict[str, Path]:
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "install-service", "--root", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "install-service", "--root", str(tmp_path)],
                          capture_output=True, text=True, timeout=60, env=daemon_env())
     assert out.returncode == 0, out.stderr
     return {"root": tmp_path, "unit": tmp_path / "etc/systemd/system/meshd.service",
@@ -100,7 +100,7 @@ def test_install_service_writes_config_and_a_private_secret(installed):
 def test_install_service_keeps_an_existing_config_and_secret(installed):
     secret = installed["secret"].read_text()
     installed["config"].write_text('mesh = "lab"\n')
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "install-service", "--root", str(installed["root"])],
+    out = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "install-service", "--root", str(installed["root"])],
                          capture_output=True, text=True, timeout=60, env=daemon_env())
     assert out.returncode == 0, out.stderr
     assert installed["secret"].read_text() == secret
@@ -160,7 +160,7 @@ class NotifySocket:
 def spawn(model_dir: Path, tmp: Path, notify: Path, *extra: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log_path = tmp / f"meshd-{port}.log"
-    cmd = [sys.executable, "-m", "meshd.cli", "run", "--no-mdns", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1", "--port", str(port),
            "--state-dir", str(tmp / f"state-{port}"), "--model", str(model_dir), "--name", "svc",
            "--device", "cpu", "--dtype", "float32", *extra]
     env = daemon_env() | {"MESHD_SETTLE_S": "0.2", "NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": str(WATCHDOG_USEC)}

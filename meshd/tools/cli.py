@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from meshd.config import DEVICES, DTYPES, build_config
-from meshd.errors import ConfigError, MeshError
+from meshd.errors import KNOWN_ERRORS, ConfigError
 from meshd.logs import setup_logging
 
 log = structlog.get_logger()
@@ -122,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = build_config(_config_file(args.config), flags=_flags(args))
     setup_logging(config.log_level)
     from meshd.node import Node
-    from meshd.notify import Notifier
+    from meshd.tools.notify import Notifier
 
     node = Node(config)
     notifier = Notifier.from_env()
@@ -193,21 +193,21 @@ def main(argv: list[str] | None = None) -> int:
             case "model":
                 return cmd_model(args)
             case "demo":
-                from meshd.demo import run_demo
+                from meshd.tools.demo import run_demo
 
                 setup_logging()
                 return run_demo(args)
             case "config":
                 return cmd_config(args)
             case "install-service":
-                from meshd.service import install
+                from meshd.tools.service import install
 
                 install(args.root, args.exec_path, args.enable)
                 return 0
     except ConfigError as exc:
         print(f"meshd: configuration error: {exc}", file=sys.stderr)
         return 2
-    except MeshError as exc:
+    except KNOWN_ERRORS as exc:
         print(f"meshd: {exc}", file=sys.stderr)
         return 1
     return 0

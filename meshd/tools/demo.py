@@ -19,9 +19,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from meshd.cli import free_port
 from meshd.config import build_config
-from meshd.meshctl import format_status, get_json
+from meshd.tools.cli import free_port
+from meshd.tools.meshctl import format_status, get_json
 from shards.manifest import Manifest
 
 READY_TIMEOUT_S = 300.0
@@ -67,7 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
     logs = []
     try:
         for i, port in enumerate(ports):
-            argv = [sys.executable, "-m", "meshd.cli", "run", "--name", f"demo-{i}", "--host", "127.0.0.1",
+            argv = [sys.executable, "-m", "meshd.tools.cli", "run", "--name", f"demo-{i}", "--host", "127.0.0.1",
                     "--port", str(port), "--mesh", mesh, "--secret-file", str(secret),
                     "--state-dir", str(work / f"peer-{i}"), "--mdns-interface", "127.0.0.1",
                     # N daemons share this box's cores: one torch thread each.

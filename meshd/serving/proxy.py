@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from meshd.errors import NoCapacity
-from meshd.openai import completion_id
+from meshd.serving.openai import completion_id
 
 if TYPE_CHECKING:
     from meshd.node import Node

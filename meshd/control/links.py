@@ -16,9 +16,9 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from meshd.discovery import Advert, PeerGone, PeerSeen
+from meshd.control.discovery import Advert, PeerGone, PeerSeen
+from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, SelfLink, handshake
 from meshd.errors import AuthError, PeerLost, ProtocolError
-from meshd.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, SelfLink, handshake
 
 if TYPE_CHECKING:
     from meshd.node import Node

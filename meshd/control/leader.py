@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from meshd.errors import MeshError, NoCapacity, PeerLost
-from meshd.pipeline import ActivePlan
-from meshd.placement import place, replan
-from meshd.stage import NOT_MY_SUPERNODE, STALE_TERM, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
+from meshd.control.follower import NOT_MY_SUPERNODE, STALE_TERM, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
+from meshd.control.placement import place, replan
+from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost
+from meshd.serving.pipeline import ActivePlan
 from protocol.messages import Accept, Commit, NodeId, Plan, Reject
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ async def lead(node: Node, reason: str = "") -> None:
     t0 = time.monotonic()
     try:
         manifest, model_dir = await prepare_model(node, node.model_name, sources=_sources(node))
-    except MeshError as exc:
+    except KNOWN_ERRORS as exc:
         node.unavailable = f"the supernode has no model: {exc}"
         log.error("supernode_no_model", error=str(exc))
         await node.pipeline.set_plan(None, node.unavailable)
@@ -79,7 +79,7 @@ async def lead(node: Node, reason: str = "") -> None:
         try:
             engine = await load_engine(node, manifest, model_dir, mine, embed=True, head=True,
                                        sources=plan.sources)
-        except MeshError as exc:
+        except KNOWN_ERRORS as exc:
             node.unavailable = f"the supernode cannot load its part: {exc}"
             log.error("supernode_load_failed", error=str(exc))
             await node.pipeline.set_plan(None, node.unavailable)

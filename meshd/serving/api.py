@@ -1,7 +1,7 @@
 """HTTP API on every peer: the OpenAI-compatible endpoints, /status, /healthz, /metrics, the dashboard.
 
-The handler is one of the three places errors are caught: a MeshError becomes a
-4xx/5xx JSON body, and the daemon goes on serving.
+The handler is one of the three places errors are caught: a MeshError (or the model
+side's ShardsError) becomes a 4xx/5xx JSON body, and the daemon goes on serving.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from meshd.errors import BadRequest, MeshError, NoCapacity
-from meshd.openai import (
+from meshd.control.transfer import AUTH_HEADER, check_files_token
+from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
+from meshd.serving.openai import (
     CompletionRequest,
     choice_json,
     chunk_json,
@@ -25,9 +26,8 @@ from meshd.openai import (
     parse_request,
     response_json,
 )
-from meshd.proxy import proxy_completion
-from meshd.scheduler import Usage
-from meshd.transfer import AUTH_HEADER, check_files_token
+from meshd.serving.proxy import proxy_completion
+from meshd.serving.scheduler import Usage
 
 if TYPE_CHECKING:
     from meshd.node import Node
@@ -48,6 +48,8 @@ async def errors_middleware(request: web.Request, handler):
         return await handler(request)
     except BadRequest as exc:
         return error_response(str(exc), exc.status, exc.param)
+    except InvalidParams as exc:  # the model side's own check of sampling parameters
+        return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
         return error_response(f"the mesh cannot serve now: {exc}", 503)
     except web.HTTPRequestEntityTooLarge:
@@ -58,7 +60,7 @@ async def errors_middleware(request: web.Request, handler):
         if exc.status >= 400 and exc.content_type != "application/json":
             return error_response(exc.reason, exc.status)
         raise
-    except MeshError as exc:
+    except KNOWN_ERRORS as exc:
         log.warning("request_failed", path=request.path, error=str(exc))
         return error_response(str(exc), 500)
 
@@ -210,7 +212,7 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
             tg.create_task(write_events())
     except* ConnectionResetError:
         gone = True
-    except* MeshError as group:
+    except* KNOWN_ERRORS as group:
         failure = group.exceptions[0]
     if gone:  # an ordinary event, not a server error: nobody is left to tell
         log.info("client_gone", path=request.path)
@@ -255,7 +257,7 @@ async def drain(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    from meshd import dashboard, metrics
+    from meshd.serving import dashboard, metrics
 
     app.middlewares.insert(0, metrics.count_requests)  # outermost: sees the status the client gets
     app.router.add_get("/metrics", metrics.handle_metrics)

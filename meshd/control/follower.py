@@ -14,10 +14,10 @@ import aiohttp
 import structlog
 import torch
 
-from meshd.election import accepts_plan, elect
-from meshd.errors import MeshError, ModelError, PeerLost, ProtocolError, ShardMissing
-from meshd.placement import validate
-from meshd.transfer import fetch_files, fetch_manifest, missing_files
+from meshd.control.election import accepts_plan, elect
+from meshd.control.placement import validate
+from meshd.control.transfer import fetch_files, fetch_manifest, missing_files
+from meshd.errors import KNOWN_ERRORS, ModelError, PeerLost, ProtocolError, ShardMissing
 from protocol.messages import (
     Accept,
     Auth,
@@ -41,7 +41,7 @@ from shards.span import Span
 
 if TYPE_CHECKING:
     from meshd.node import Node
-    from meshd.peers import Link
+    from meshd.control.peers import Link
 
 log = structlog.get_logger()
 
@@ -83,7 +83,7 @@ async def handle(node: Node, link: Link, msg: Message) -> None:
         case Plan():
             node.spawn(on_plan(node, link, msg))
         case Accept() | Reject():
-            from meshd import leader
+            from meshd.control import leader
 
             if isinstance(msg, Reject) and (m := STALE_TERM.search(msg.reason)):
                 node.term = max(node.term, int(m.group(1)))
@@ -129,7 +129,7 @@ async def on_plan(node: Node, link: Link, plan: Plan) -> None:
             manifest, model_dir = await prepare_model(node, plan.model, plan.sources, plan.manifest_digest)
             validate(plan.assignments, manifest.n_layers)
             engine = await load_engine(node, manifest, model_dir, mine, embed=False, head=False, sources=plan.sources)
-        except (MeshError, OSError, aiohttp.ClientError) as exc:
+        except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
             log.warning("plan_load_failed", term=plan.term, error=str(exc))
             await _reply(link, Reject(plan.term, f"cannot load {mine}: {exc}", node.caps.mem_budget))
             return
@@ -162,7 +162,7 @@ async def serve_forward(node: Node, link: Link, term: int, req: int, segments: l
         return
     try:
         out = await run_span(node, engine, segments, hidden)
-    except MeshError as exc:
+    except KNOWN_ERRORS as exc:
         log.warning("forward_failed", sessions=len(segments), error=str(exc))
         await _reply(link, Fail(term, req, str(exc)))
         return
@@ -202,7 +202,7 @@ async def prepare_model(node: Node, name: str, sources, digest: str | None = Non
     for pid, base in _source_urls(node, sources):
         try:
             m = await fetch_manifest(node.http, base, node.secret, node.node_id, name)
-        except (MeshError, OSError, aiohttp.ClientError) as exc:
+        except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
             log.warning("manifest_fetch_failed", source=pid, error=str(exc))
             continue
         if not fits(m):
@@ -247,7 +247,7 @@ async def _fetch(node: Node, manifest: Manifest, model_dir: Path, names: list[st
         try:
             await fetch_files(node.http, base, node.secret, node.node_id, manifest, names, model_dir)
             return
-        except (MeshError, OSError, aiohttp.ClientError) as exc:
+        except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
             errors.append(f"{pid}: {exc}")
             log.warning("shard_fetch_failed", source=pid, error=str(exc))
     if missing_files(model_dir, manifest, names):
@@ -272,7 +272,7 @@ async def replicate(node: Node) -> None:
     try:
         await _fetch(node, m, model_dir, names, ())
         log.info("model_replicated", model=m.name, files=len(names))
-    except (MeshError, OSError) as exc:
+    except (*KNOWN_ERRORS, OSError) as exc:
         log.warning("replicate_failed", error=str(exc))
     finally:
         node.replicating = False

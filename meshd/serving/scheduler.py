@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from meshd.errors import MeshError, NoCapacity
-from meshd.pipeline import Pipeline
+from meshd.errors import KNOWN_ERRORS, NoCapacity
+from meshd.serving.pipeline import Pipeline
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
@@ -117,7 +117,7 @@ class Scheduler:
                 s.in_step = True
             try:
                 results = await self.pipeline.step(batch, _pick)
-            except MeshError as exc:  # NoCapacity: no plan came back in time
+            except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
                     self._finish(s, exc)

@@ -15,7 +15,7 @@ PAGE = "dashboard.html"
 
 
 def page_bytes() -> bytes:
-    return resources.files("meshd").joinpath("static", PAGE).read_bytes()
+    return resources.files("meshd.serving").joinpath("static", PAGE).read_bytes()
 
 
 async def index(request: web.Request) -> web.Response:

@@ -151,7 +151,7 @@ class _StateCollector:
         serving.add_metric([], 1 if node.serves() else 0)
         yield serving
 
-        from meshd.status import build_status
+        from meshd.serving.status import build_status
 
         status = build_status(node)
         counts: collections.Counter[str] = collections.Counter(p["state"] for p in status["peers"])
@@ -195,7 +195,7 @@ class _StateCollector:
 @web.middleware
 async def count_requests(request: web.Request, handler):
     """Requests by route and final status (after the errors middleware made its answer)."""
-    from meshd.api import NODE
+    from meshd.serving.api import NODE
 
     resource = request.match_info.route.resource
     name = resource.canonical if resource is not None else "unmatched"
@@ -212,7 +212,7 @@ async def count_requests(request: web.Request, handler):
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    from meshd.api import NODE
+    from meshd.serving.api import NODE
 
     body = request.app[NODE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,2 @@
+"""The control plane: finding peers, keeping links to them, electing the supernode,
+placing layers, negotiating plans, and the model files each peer needs."""

@@ -1,0 +1,1 @@
+"""Commands: the ``meshd`` and ``meshctl`` CLIs, the local demo, the systemd unit and notify."""
