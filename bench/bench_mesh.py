@@ -9,7 +9,7 @@
 (b) time from a simultaneous start of 4 daemons (one with the model, three with only
     its name and empty state dirs, fetching their spans) to a converged active plan.
 (c) bytes on the wire per decode step per hop: the codec's encoded size of a decode
-    Forward / ForwardBatch and its Result (hidden 576, fp32), and the kernel's counters
+    ForwardBatch and its ResultBatch (hidden 576, fp32), and the kernel's counters
     of each stage host's interface over a long and a one-token generation (the
     difference is decode only), less the idle rate (heartbeats).
 
@@ -150,19 +150,12 @@ def codec_sizes(hidden: int = 576) -> dict[str, int]:
     import torch
 
     from protocol.codec import encode
-    from protocol.messages import Forward, Result
+    from protocol.messages import ForwardBatch, ResultBatch, Segment
 
     sid = "0123456789abcdef"  # a session id as the scheduler makes them (8 random bytes, hex)
     x = torch.zeros(1, hidden, dtype=torch.float32)
-    sizes = {"Forward": len(encode(Forward(7, sid, 1000, 100, x))),
-             "Result": len(encode(Result(7, sid, 1000, x)))}
-    try:
-        from protocol.messages import ForwardBatch, ResultBatch, Segment
-
-        sizes["ForwardBatch"] = len(encode(ForwardBatch(7, 1000, (Segment(sid, 100, 1),), x)))
-        sizes["ResultBatch"] = len(encode(ResultBatch(7, 1000, x)))
-    except ImportError:
-        pass
+    sizes = {"ForwardBatch": len(encode(ForwardBatch(7, 1000, (Segment(sid, 100, 1),), x))),
+             "ResultBatch": len(encode(ResultBatch(7, 1000, x)))}
     return sizes
 
 
@@ -285,7 +278,7 @@ def main() -> int:
     print("\n(c) codec, one decode row (hidden 576 fp32 = 2304 bytes of data):")
     for k, v in sizes.items():
         print(f"    {k:13s} {v} bytes encoded (+4 WebSocket header from the server side, +8 from the dialer)")
-    fwd, res = sizes.get("ForwardBatch", sizes["Forward"]), sizes.get("ResultBatch", sizes["Result"])
+    fwd, res = sizes["ForwardBatch"], sizes["ResultBatch"]
     print(f"    per hop per decode step: {fwd} + {res} = {fwd + res} bytes of frames")
 
     speed = phase_speed(args, work)

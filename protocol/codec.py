@@ -4,17 +4,22 @@ A frame is a msgpack map ``{"t": tag, field: value, ...}``. Keys a decoder does
 not know are ignored; a missing key with a default takes it; anything else that
 is off (wrong type, missing key, unknown tag, bad span or tensor, trailing bytes,
 oversize) is a ``ProtocolError`` naming what and where, and closes that one link.
-Spans travel as ``[start, stop]``, tensors as ``{dtype, shape, data}`` through
-``pack_tensor`` / ``unpack_tensor``. The codec checks shape, not meaning: whether
+Both directions are derived from the message classes (their fields' names, types
+and defaults), so a field is listed once, in ``protocol.messages``; the few checks
+a type cannot say (a segment has rows, a batch's rows are its hidden's) are in
+``_CHECKS`` here. Spans travel as ``[start, stop]``, enums as ints, tensors as
+``{dtype, shape, data}`` through ``pack_tensor`` / ``unpack_tensor``. The codec checks shape, not meaning: whether
 a plan covers the model is ``meshd.control.placement.validate``'s job, and whether a
 Hello's version is ours is the handshake's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import fields
-from typing import Any, Callable
+from enum import IntEnum
+from functools import cache
+from typing import Any, Callable, get_args, get_origin, get_type_hints
 
 import msgpack
 import torch
@@ -22,30 +27,7 @@ import torch
 from meshd.errors import ProtocolError
 from shards.span import Span
 
-from .messages import (
-    MESSAGE_TYPES,
-    Accept,
-    Assignment,
-    Auth,
-    Bye,
-    Capabilities,
-    Commit,
-    Drop,
-    Fail,
-    Forward,
-    ForwardBatch,
-    Hello,
-    Message,
-    NodeId,
-    Ping,
-    Plan,
-    Pong,
-    Reject,
-    Result,
-    ResultBatch,
-    Segment,
-    SessionId,
-)
+from .messages import MESSAGE_TYPES, ForwardBatch, Message, NodeId, Segment, SessionId
 
 DEFAULT_MAX_FRAME = 64 * 2**20  # a 2048x4096 fp16 prefill chunk is 16 MiB
 MAX_NDIM = 8
@@ -124,98 +106,56 @@ def encode(msg: Message) -> bytes:
     """One frame for one message."""
     if type(msg) not in MESSAGE_TYPES:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
-    frame = {"t": msg.tag, **_to_wire(msg)}
+    frame = {"t": msg.tag}
+    _put_fields(msg, frame)
     return msgpack.packb(frame, use_bin_type=True, datetime=False)
 
 
-def _to_wire(value: object) -> object:
-    match value:
-        case torch.Tensor():
-            return pack_tensor(value)
-        case Span():
-            return value.to_list()
-        case tuple():
-            return [_to_wire(v) for v in value]
-        case _ if hasattr(value, "__dataclass_fields__"):
-            return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
-        case _:
-            return value
+Writer = Callable[[Any], Any]
+
+
+def _put_fields(obj: object, out: dict) -> dict:
+    for name, write in _field_writers(type(obj)):
+        value = getattr(obj, name)
+        out[name] = value if write is None else write(value)
+    return out
+
+
+@cache
+def _field_writers(cls: type) -> tuple[tuple[str, Writer | None], ...]:
+    """Per field of ``cls``: its name and how its value goes on the wire (None: as it is)."""
+    hints = get_type_hints(cls)
+    return tuple((f.name, _value_writer(hints[f.name])) for f in dataclasses.fields(cls))
+
+
+def _value_writer(hint: Any) -> Writer | None:
+    if hint is torch.Tensor:
+        return pack_tensor
+    if hint is Span:
+        return Span.to_list
+    if isinstance(hint, type) and issubclass(hint, IntEnum):
+        return int
+    if get_origin(hint) is tuple:
+        item = _value_writer(get_args(hint)[0])
+        return list if item is None else (lambda values: [item(v) for v in values])
+    if dataclasses.is_dataclass(hint):
+        return lambda value: _put_fields(value, {})
+    return None  # int, float, str, bytes and ids travel as they are
 
 
 # -- decode ----------------------------------------------------------------------
 
+_BY_TAG: dict[str, type] = {cls.tag: cls for cls in MESSAGE_TYPES}
+
 
 def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
     """The message in one frame, or ``ProtocolError`` saying what is wrong with it."""
-    f = _Fields(_unpack(data, max_size), "frame", max_size)
-    tag = f.frame.get("t")
-    f.where = str(tag)
+    frame = _unpack(data, max_size)
+    tag = frame.get("t")
+    f = _Fields(frame, max_size, str(tag))
     match tag:
-        case Hello.tag:
-            return Hello(
-                version=f.int("version"),
-                node_id=f.node("node_id"),
-                mesh=f.str("mesh"),
-                name=f.str("name"),
-                nonce=f.bytes("nonce"),
-                caps=_capabilities(f.map("caps")),
-            )
-        case Auth.tag:
-            return Auth(mac=f.bytes("mac"))
-        case Ping.tag:
-            return Ping(seq=f.int("seq"), sent=f.float("sent"))
-        case Pong.tag:
-            return Pong(seq=f.int("seq"), sent=f.float("sent"))
-        case Bye.tag:
-            return Bye(reason=f.str("reason"))
-        case Plan.tag:
-            return Plan(
-                term=f.int("term"),
-                supernode=f.node("supernode"),
-                model=f.str("model"),
-                manifest_digest=f.str("manifest_digest"),
-                assignments=f.list("assignments", lambda g: _assignment(g.as_map())),
-                sources=f.list("sources", lambda g: g.as_node(), default=()),
-            )
-        case Accept.tag:
-            return Accept(term=f.int("term"), span=f.span("span"))
-        case Reject.tag:
-            return Reject(term=f.int("term"), reason=f.str("reason"), capacity=f.int("capacity", 0))
-        case Commit.tag:
-            return Commit(term=f.int("term"))
-        case Forward.tag:
-            return Forward(
-                term=f.int("term"),
-                session=f.session("session"),
-                req=f.int("req"),
-                start=f.int("start"),
-                hidden=f.tensor("hidden"),
-            )
-        case Result.tag:
-            return Result(
-                term=f.int("term"),
-                session=f.session("session"),
-                req=f.int("req"),
-                hidden=f.tensor("hidden"),
-            )
-        case ForwardBatch.tag:
-            batch = ForwardBatch(
-                term=f.int("term"),
-                req=f.int("req"),
-                segments=f.list("segments", lambda g: _segment(g.as_map())),
-                hidden=f.tensor("hidden"),
-            )
-            rows = sum(s.rows for s in batch.segments)
-            if batch.hidden.dim() != 2 or batch.hidden.shape[0] != rows:
-                raise ProtocolError(f"fwdb: hidden {tuple(batch.hidden.shape)} does not hold the {rows} rows "
-                                    "its segments name")
-            return batch
-        case ResultBatch.tag:
-            return ResultBatch(term=f.int("term"), req=f.int("req"), hidden=f.tensor("hidden"))
-        case Fail.tag:
-            return Fail(term=f.int("term"), req=f.int("req"), reason=f.str("reason"))
-        case Drop.tag:
-            return Drop(term=f.int("term"), session=f.session("session"))
+        case str() if tag in _BY_TAG:
+            return _read(_BY_TAG[tag], f)
         case None:
             raise ProtocolError("frame has no 't' tag")
         case str():
@@ -224,27 +164,89 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
             raise ProtocolError(f"message tag must be a string, got {type(tag).__name__}")
 
 
-def _capabilities(f: _Fields) -> Capabilities:
-    return Capabilities(
-        vram=f.int("vram"),
-        ram=f.int("ram"),
-        device=f.str("device"),
-        api_port=f.int("api_port", hi=65535),
-        mem_budget=f.int("mem_budget"),
-        layer_ms=f.float("layer_ms"),
-        models=f.list("models", lambda g: g.as_str(), default=()),
-    )
+def _read(cls: type, f: _Fields) -> Any:
+    """An instance of dataclass ``cls`` from the map ``f``, field by field."""
+    obj = cls(*[read(f) for read in _field_readers(cls)])
+    if check := _CHECKS.get(cls):
+        check(obj, f)
+    return obj
 
 
-def _segment(f: _Fields) -> Segment:
-    rows = f.int("rows")
-    if rows < 1:
+Reader = Callable[["_Fields"], Any]
+
+
+@cache
+def _field_readers(cls: type) -> tuple[Reader, ...]:
+    """One reader per field of ``cls``, in order: the value at its key, or its default."""
+    hints = get_type_hints(cls)
+    readers = []
+    for fld in dataclasses.fields(cls):
+        default = _REQUIRED if fld.default is dataclasses.MISSING else fld.default
+        hint = hints[fld.name]
+        readers.append(_keyed(fld.name, default, _value_reader(hint, fld.metadata), _plain(hint, fld.metadata)))
+    return tuple(readers)
+
+
+def _plain(hint: Any, meta: Any) -> Callable[[object], bool] | None:
+    """A quick test that a value is already fine as it is (most are): only what fails
+    it goes through the checked reader, which then says what is wrong."""
+    if hint is int:
+        hi = (meta or {}).get("max", _MAX_INT)
+        return lambda v: type(v) is int and 0 <= v <= hi
+    if hint is str:
+        return lambda v: type(v) is str
+    if hint in (NodeId, SessionId):
+        return lambda v: type(v) is str and v != ""
+    return None
+
+
+def _keyed(key: str, default: Any, read: Reader, plain: Callable[[object], bool] | None) -> Reader:
+    def at_key(f: _Fields) -> Any:
+        if plain is not None and plain(v := f.frame.get(key, _REQUIRED)):
+            return v
+        v = f.at(key, default)
+        return default if v is None else read(v)
+    return at_key
+
+
+def _value_reader(hint: Any, meta: Any = None) -> Reader:
+    """How to read one value of type ``hint`` (the wire types messages may use)."""
+    if hint is int:
+        hi = (meta or {}).get("max", _MAX_INT)
+        return lambda v: v.as_int(hi)
+    if hint is NodeId:
+        return _Fields.as_node
+    if hint is SessionId:
+        return lambda v: SessionId(v.as_node())
+    simple = {float: _Fields.as_float, str: _Fields.as_str, bytes: _Fields.as_bytes, Span: _Fields.as_span,
+              torch.Tensor: _Fields.as_tensor}
+    if hint in simple:
+        return simple[hint]
+    if isinstance(hint, type) and issubclass(hint, IntEnum):
+        return lambda v: hint(v.as_int())
+    if get_origin(hint) is tuple:
+        item, more = get_args(hint)
+        assert more is Ellipsis, f"only tuple[X, ...] travels, not {hint}"
+        read_item = _value_reader(item)
+        return lambda v: v.as_list(read_item)
+    if dataclasses.is_dataclass(hint):
+        return lambda v: _read(hint, v.as_map())
+    raise TypeError(f"no wire form for {hint!r}")
+
+
+def _check_segment(s: Segment, f: _Fields) -> None:
+    if s.rows < 1:
         raise ProtocolError(f"{f.where}: a segment needs at least one row")
-    return Segment(session=f.session("session"), start=f.int("start"), rows=rows)
 
 
-def _assignment(f: _Fields) -> Assignment:
-    return Assignment(node=f.node("node"), span=f.span("span"))
+def _check_batch(batch: ForwardBatch, f: _Fields) -> None:
+    rows = sum(s.rows for s in batch.segments)
+    if batch.hidden.dim() != 2 or batch.hidden.shape[0] != rows:
+        raise ProtocolError(f"fwdb: hidden {tuple(batch.hidden.shape)} does not hold the {rows} rows "
+                            "its segments name")
+
+
+_CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch}
 
 
 def _unpack(data: bytes, max_size: int) -> dict:
@@ -274,6 +276,7 @@ def _unpack(data: bytes, max_size: int) -> dict:
 
 
 _REQUIRED: Any = object()
+_MAX_INT = 2**63 - 1
 
 
 def _is_int(v: object) -> bool:
@@ -284,23 +287,31 @@ class _Fields:
     """Typed reads from one map (or one value) of a frame; every miss or mismatch
     is a ProtocolError that names the field, e.g. ``plan.assignments[2].span``."""
 
-    __slots__ = ("frame", "where", "max_size")
+    __slots__ = ("frame", "max_size", "_name", "_parent")
 
-    def __init__(self, frame: object, where: str, max_size: int):
-        self.frame, self.where, self.max_size = frame, where, max_size
+    def __init__(self, frame: object, max_size: int, name: str, parent: _Fields | None = None):
+        self.frame, self.max_size = frame, max_size
+        self._name, self._parent = name, parent  # the path is spelled out only for an error
 
-    def _at(self, key: str, default: Any) -> _Fields | None:
+    @property
+    def where(self) -> str:
+        if self._parent is None:
+            return self._name
+        return self._parent.where + self._name
+
+    def at(self, key: str, default: Any = _REQUIRED) -> _Fields | None:
+        """The value at ``key`` of this map; None when it is absent and has a default."""
         if key not in self.frame:
             if default is _REQUIRED:
                 raise ProtocolError(f"{self.where}: missing field {key!r}")
             return None
-        return _Fields(self.frame[key], f"{self.where}.{key}", self.max_size)
+        return _Fields(self.frame[key], self.max_size, "." + key, self)
 
     def _wrong(self, want: str) -> ProtocolError:
         return ProtocolError(f"{self.where}: expected {want}, got {type(self.frame).__name__}")
 
     # One value, as a type. All integers on this wire are non-negative.
-    def as_int(self, hi: int = 2**63 - 1) -> int:
+    def as_int(self, hi: int = _MAX_INT) -> int:
         v = self.frame
         if not _is_int(v):
             raise self._wrong("int")
@@ -343,46 +354,13 @@ class _Fields:
         except ValueError as e:
             raise ProtocolError(f"{self.where}: {e}") from e
 
-    # Fields of this map, by key.
-    def int(self, key: str, default: Any = _REQUIRED, hi: int = 2**63 - 1) -> int:
-        v = self._at(key, default)
-        return default if v is None else v.as_int(hi)
-
-    def float(self, key: str, default: Any = _REQUIRED) -> float:
-        v = self._at(key, default)
-        return default if v is None else v.as_float()
-
-    def str(self, key: str, default: Any = _REQUIRED) -> str:
-        v = self._at(key, default)
-        return default if v is None else v.as_str()
-
-    def bytes(self, key: str, default: Any = _REQUIRED) -> bytes:
-        v = self._at(key, default)
-        return default if v is None else v.as_bytes()
-
-    def node(self, key: str) -> NodeId:
-        return self._at(key, _REQUIRED).as_node()
-
-    def session(self, key: str) -> SessionId:
-        return SessionId(self._at(key, _REQUIRED).as_node())
-
-    def span(self, key: str) -> Span:
-        return self._at(key, _REQUIRED).as_span()
-
-    def map(self, key: str) -> _Fields:
-        return self._at(key, _REQUIRED).as_map()
-
-    def tensor(self, key: str) -> torch.Tensor:
-        v = self._at(key, _REQUIRED)
+    def as_tensor(self) -> torch.Tensor:
         try:
-            return unpack_tensor(v.frame, max_elements=self.max_size)
+            return unpack_tensor(self.frame, max_elements=self.max_size)
         except ProtocolError as e:
-            raise ProtocolError(f"{v.where}: {e}") from e
+            raise ProtocolError(f"{self.where}: {e}") from e
 
-    def list(self, key: str, item: Callable[[_Fields], Any], default: Any = _REQUIRED) -> tuple:
-        v = self._at(key, default)
-        if v is None:
-            return default
-        if not isinstance(v.frame, list):
-            raise v._wrong("list")
-        return tuple(item(_Fields(x, f"{v.where}[{i}]", self.max_size)) for i, x in enumerate(v.frame))
+    def as_list(self, item: Reader) -> tuple:
+        if not isinstance(self.frame, list):
+            raise self._wrong("list")
+        return tuple([item(_Fields(x, self.max_size, f"[{i}]", self)) for i, x in enumerate(self.frame)])

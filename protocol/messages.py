@@ -3,12 +3,15 @@
 Schema evolution follows msgspec's rules: a new field always gets a default,
 no field ever changes type, and decoders ignore keys they do not know. Each
 type's wire tag is its ``tag`` class variable; ``protocol.codec`` is the only
-place that turns these into bytes and back.
+place that turns these into bytes and back, and it reads each message's fields
+(names, types, defaults) from the class itself: this file is the one place a
+message's fields are listed. A field's ``metadata`` may bound it (``max``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import ClassVar, NewType
 
 import torch
@@ -31,7 +34,7 @@ class Capabilities:
     vram: int  # bytes of accelerator memory, 0 on a CPU box
     ram: int  # bytes of host memory
     device: str  # "cuda" | "mps" | "cpu"
-    api_port: int  # its HTTP API (also serves shard files to peers)
+    api_port: int = field(metadata={"max": 65535})  # its HTTP API (also serves shard files to peers)
     mem_budget: int  # bytes it will spend on layers
     layer_ms: float  # measured decode time of one layer, ms
     models: tuple[str, ...] = ()  # models it has complete locally
@@ -106,12 +109,27 @@ class Accept:
     span: Span
 
 
+class RejectCode(IntEnum):
+    """Why a peer rejects a plan, for the supernode to act on (the reason text is for people)."""
+
+    OTHER = 0  # see the reason; also what a Reject from a peer that sends no code reads as
+    NOT_MY_SUPERNODE = 1  # its view lags: ask again shortly
+    STALE_TERM = 2  # it holds a higher term (``held_term``): ask again above it
+    CANNOT_LOAD = 3  # it could not load (or fetch) its span
+
+    @classmethod
+    def _missing_(cls, value: object) -> RejectCode:
+        return cls.OTHER  # a code from a newer peer
+
+
 @dataclass(frozen=True, slots=True)
 class Reject:
     tag: ClassVar[str] = "reject"
     term: int
     reason: str
     capacity: int = 0  # bytes it could hold instead, 0 if unknown
+    code: RejectCode = RejectCode.OTHER
+    held_term: int = 0  # with STALE_TERM: the term this peer holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,35 +139,9 @@ class Commit:
 
 
 # -- forwarding ------------------------------------------------------------------
-# These carry tensors, so equality is identity (eq=False): comparing two
-# tensors with == gives a tensor, not a bool.
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Forward:
-    tag: ClassVar[str] = "forward"
-    term: int
-    session: SessionId
-    req: int  # request number, echoed in Result / Fail
-    start: int  # position of hidden's first row
-    hidden: torch.Tensor  # [T, H]
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Result:
-    tag: ClassVar[str] = "result"
-    term: int
-    session: SessionId
-    req: int
-    hidden: torch.Tensor  # [T, H]
-
-
-@dataclass(frozen=True, slots=True)
-class Fail:
-    tag: ClassVar[str] = "fail"
-    term: int
-    req: int
-    reason: str
+# The supernode sends every hop: a ForwardBatch to each stage in turn, answered by
+# a ResultBatch (or Fail). Frames with tensors compare by identity (eq=False):
+# comparing two tensors with == gives a tensor, not a bool.
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +160,7 @@ class ForwardBatch:
 
     tag: ClassVar[str] = "fwdb"
     term: int
-    req: int
+    req: int  # request number, echoed in ResultBatch / Fail
     segments: tuple[Segment, ...]
     hidden: torch.Tensor  # [sum(rows), H]
 
@@ -182,15 +174,22 @@ class ResultBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class Fail:
+    tag: ClassVar[str] = "fail"
+    term: int
+    req: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Drop:
+    """Free a session's KV caches on a stage."""
+
     tag: ClassVar[str] = "drop"
     term: int
     session: SessionId
 
 
-Message = (
-    Hello | Auth | Ping | Pong | Bye | Plan | Accept | Reject | Commit | Forward | Result | Fail | Drop
-    | ForwardBatch | ResultBatch
-)
+Message = Hello | Auth | Ping | Pong | Bye | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__

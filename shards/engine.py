@@ -83,15 +83,12 @@ class StageEngine:
             return fn()
 
     async def _run(self, fn: Callable[[], R]) -> R:
-        if self.closed:  # a newer plan replaced this engine while a call was on its way here
-            raise ModelError("this stage's engine was closed: its plan was replaced")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
-
-    async def call(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the worker thread. Every torch op of a daemon belongs there:
         ops on the event loop's thread start a second OpenMP team that spins against
         the worker's and (measured, 2 cores) makes each batched step 2-3x slower."""
-        return await self._run(fn)
+        if self.closed:  # a newer plan replaced this engine while a call was on its way here
+            raise ModelError("this stage's engine was closed: its plan was replaced")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
 
     def run_sync(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the worker thread and wait (for tests, bench and start-up)."""

@@ -1,13 +1,13 @@
 """Hostile frames on a live link: a real node's ``/mesh/ws`` on loopback, pytest as the peer.
 
 One in-process node on the tiny model (its own supernode, all layers) with a 1 MiB frame
-limit. Before the HMAC handshake is done no model frame is acted on: a Forward or a Plan
+limit. Before the HMAC handshake is done no model frame is acted on: a ForwardBatch or a Plan
 in place of Hello or Auth, a wrong or empty MAC, a handshake replayed from an earlier
 connection, a MAC reflected from a second connection, silence: each closes that socket
 (4001) with a logged reason and runs nothing. After a good handshake: oversize frames,
 dtypes off the list, tensors whose bytes do not match their shape, unknown tags, a
-ForwardBatch whose rows are not its hidden's, close that link alone (logged); a Forward of
-a term the node is not at, or for a session the stage never saw (start > 0), or of the
+ForwardBatch whose rows are not its hidden's, close that link alone (logged); a ForwardBatch
+of a term the node is not at, or for a session the stage never saw (start > 0), or of the
 wrong width, is answered by Fail and nothing else changes. After every case the node
 still serves the same greedy completion as before.
 
@@ -48,14 +48,12 @@ from protocol.messages import (
     Commit,
     Drop,
     Fail,
-    Forward,
     ForwardBatch,
     Hello,
     NodeId,
     Ping,
     Plan,
     Pong,
-    Result,
     ResultBatch,
     Segment,
     SessionId,
@@ -148,23 +146,23 @@ def events(logs, name: str) -> list[dict]:
     return [e for e in logs if e.get("event") == name]
 
 
-SERVED: list[int] = []  # one entry per Forward/ForwardBatch frame a peer got the stage to act on
+SERVED: list[int] = []  # one entry per ForwardBatch frame a peer got the stage to act on
 
 
 @pytest.fixture(scope="module", autouse=True)
 def count_served_forwards():
-    """Counts the frames that reach the stage's forward handler (``meshd.control.follower.serve_forward``)."""
-    from meshd.control import follower
+    """Counts the frames that reach the stage's forward handler (``Follower.serve_forward``)."""
+    from meshd.control.follower import Follower
 
-    real = follower.serve_forward
+    real = Follower.serve_forward
 
     async def counting(*args, **kwargs):
         SERVED.append(1)
         return await real(*args, **kwargs)
 
-    follower.serve_forward = counting
+    Follower.serve_forward = counting
     yield
-    follower.serve_forward = real
+    Follower.serve_forward = real
 
 
 def forwarded(node) -> int:
@@ -178,8 +176,13 @@ async def assert_serves(node, http, reference) -> None:
 # -- before the handshake ------------------------------------------------------------------
 
 
+def forward(term: int, session: str, req: int, start: int, hidden: torch.Tensor) -> ForwardBatch:
+    """One session's rows, as the pipeline sends them."""
+    return ForwardBatch(term, req, (Segment(SessionId(session), start, hidden.shape[0]),), hidden)
+
+
 def forward_frame(hidden_size: int, term: int = 1, start: int = 0, session: str = "s-hostile") -> bytes:
-    return encode(Forward(term, SessionId(session), 1, start, torch.randn(1, hidden_size)))
+    return encode(forward(term, session, 1, start, torch.randn(1, hidden_size)))
 
 
 def plan_frame(sender: str, target: str, term: int = 10**6) -> bytes:
@@ -190,7 +193,7 @@ def plan_frame(sender: str, target: str, term: int = 10**6) -> bytes:
 async def test_model_frames_before_the_handshake_are_refused(node, http, reference, hidden_size):
     secret = node.node.secret
     target = node.node.node_id
-    engine_before, rows_before, term_before = node.node.engine, forwarded(node), node.node.term
+    engine_before, rows_before, term_before = node.node.store.engine, forwarded(node), node.node.view.term
     me = identity(secret)
     cases = {
         "forward instead of hello": [forward_frame(hidden_size)],
@@ -211,8 +214,8 @@ async def test_model_frames_before_the_handshake_are_refused(node, http, referen
     assert len(refused) == len(cases), refused
     assert all(r.get("reason") for r in refused), refused
     # Nothing ran and nothing was planned: same engine, no rows, no term from outside.
-    assert node.node.engine is engine_before and forwarded(node) == rows_before
-    assert node.node.term == term_before and not node.node.links
+    assert node.node.store.engine is engine_before and forwarded(node) == rows_before
+    assert node.node.view.term == term_before and not node.node.view.links
     await assert_serves(node, http, reference)
 
 
@@ -356,25 +359,26 @@ async def test_bad_frames_close_only_that_link(node, http, reference, hidden_siz
     secret = node.node.secret
     good = pack_tensor(torch.randn(2, hidden_size))
     data = bytes(good["data"])
-    fwd = dict(term=1, session="s1", req=1, start=0)
+    fwd = dict(term=1, req=1, segments=[{"session": "s1", "start": 0, "rows": 1}])
     cases = {
         "oversize": b"\x00" * (MAX_FRAME + 1024),
-        "bad dtype": tensor_frame("forward", {"dtype": "float64", "shape": [1, hidden_size],
+        "bad dtype": tensor_frame("fwdb", {"dtype": "float64", "shape": [1, hidden_size],
                                               "data": b"\0" * 8 * hidden_size}, **fwd),
-        "object dtype": tensor_frame("forward", {"dtype": "object", "shape": [1], "data": b"\0" * 8}, **fwd),
-        "bytes short of the shape": tensor_frame("forward", {**good, "data": data[:-4]}, **fwd),
-        "bytes past the shape": tensor_frame("forward", {**good, "data": data + b"\0" * 4}, **fwd),
-        "huge shape, no bytes": tensor_frame("forward", {"dtype": "float32", "shape": [1 << 30, 1 << 30],
+        "object dtype": tensor_frame("fwdb", {"dtype": "object", "shape": [1], "data": b"\0" * 8}, **fwd),
+        "bytes short of the shape": tensor_frame("fwdb", {**good, "data": data[:-4]}, **fwd),
+        "bytes past the shape": tensor_frame("fwdb", {**good, "data": data + b"\0" * 4}, **fwd),
+        "huge shape, no bytes": tensor_frame("fwdb", {"dtype": "float32", "shape": [1 << 30, 1 << 30],
                                                          "data": b""}, **fwd),
-        "negative shape": tensor_frame("forward", {"dtype": "float32", "shape": [-1, hidden_size],
+        "negative shape": tensor_frame("fwdb", {"dtype": "float32", "shape": [-1, hidden_size],
                                                    "data": b""}, **fwd),
         "unknown tag": msgpack.packb({"t": "launch-missiles", "term": 1}),
         "no tag": msgpack.packb({"term": 1}),
         "not a map": msgpack.packb([1, 2, 3]),
-        "truncated": encode(Forward(1, SessionId("s1"), 1, 0, torch.randn(1, hidden_size)))[:-7],
+        "truncated": encode(forward(1, "s1", 1, 0, torch.randn(1, hidden_size)))[:-7],
         "fwdb rows off hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),
                                                            Segment(SessionId("b"), 0, 2)),
                                                     torch.randn(2, hidden_size))),
+        "fwdb 1-d hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),), torch.randn(hidden_size))),
         "hello again": encode(identity(secret).hello(caps())),
         "auth again": encode(Auth(os.urandom(32))),
     }
@@ -399,46 +403,44 @@ async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hi
     """pytest takes the node over as its supernode (it holds the secret and advertises the
     most VRAM), gives it every layer, then sends Forwards it must refuse by Fail."""
     secret = node.node.secret
-    n = node.node.manifest.n_layers
-    m = node.node.manifest
+    n = node.node.store.manifest.n_layers
+    m = node.node.store.manifest
     target = node.node.node_id
     with capture_logs() as logs:
         async with peer(http, node.url, secret, vram=1 << 50) as p:
             # The node yields to us, and takes a plan from us for all its layers.
             await asyncio.sleep(0.5)
-            term = max(node.node.term, 1) + 5
+            term = max(node.node.view.term, 1) + 5
             plan = Plan(term, p.me.node_id, m.name, m.digest, (Assignment(NodeId(target), Span(0, n)),))
             await p.ws.send_bytes(encode(plan))
             accept = await p.next(Accept, timeout=30)
             assert accept.term == term and accept.span == Span(0, n)
             await p.ws.send_bytes(encode(Commit(term)))
             await asyncio.sleep(0.2)
-            engine = node.node.engine
+            engine = node.node.store.engine
             assert engine is not None and engine.span == Span(0, n)
 
             async def ask(msg) -> object:
                 await p.ws.send_bytes(encode(msg))
-                return await p.next((Fail, Result, ResultBatch), where=lambda r: r.req == msg.req)
+                return await p.next((Fail, ResultBatch), where=lambda r: r.req == msg.req)
 
             # A real forward runs, and makes a session on the stage.
-            ok = await ask(Forward(term, SessionId("real"), 1, 0, torch.randn(3, hidden_size)))
-            assert isinstance(ok, Result) and tuple(ok.hidden.shape) == (3, hidden_size), ok
+            ok = await ask(forward(term, "real", 1, 0, torch.randn(3, hidden_size)))
+            assert isinstance(ok, ResultBatch) and tuple(ok.hidden.shape) == (3, hidden_size), ok
             assert engine.sessions == 1
             bad = {
-                "stale term": Forward(term - 1, SessionId("real"), 2, 3, torch.randn(1, hidden_size)),
-                "future term": Forward(term + 1, SessionId("real"), 3, 3, torch.randn(1, hidden_size)),
-                "no such session": Forward(term, SessionId("ghost"), 4, 5, torch.randn(1, hidden_size)),
-                "past the cache": Forward(term, SessionId("real"), 5, 7, torch.randn(1, hidden_size)),
-                "wrong width": Forward(term, SessionId("real"), 6, 3, torch.randn(1, hidden_size + 1)),
-                "1-d hidden": Forward(term, SessionId("real"), 7, 3, torch.randn(hidden_size)),
+                "stale term": forward(term - 1, "real", 2, 3, torch.randn(1, hidden_size)),
+                "future term": forward(term + 1, "real", 3, 3, torch.randn(1, hidden_size)),
+                "no such session": forward(term, "ghost", 4, 5, torch.randn(1, hidden_size)),
+                "past the cache": forward(term, "real", 5, 7, torch.randn(1, hidden_size)),
+                "wrong width": forward(term, "real", 6, 3, torch.randn(1, hidden_size + 1)),
                 "ghost in a batch": ForwardBatch(term, 8, (Segment(SessionId("real"), 3, 1),
                                                            Segment(SessionId("ghost"), 2, 1)),
                                                  torch.randn(2, hidden_size)),
                 "one session twice": ForwardBatch(term, 9, (Segment(SessionId("real"), 3, 1),
                                                             Segment(SessionId("real"), 3, 1)),
                                                   torch.randn(2, hidden_size)),
-                "past max position": Forward(term, SessionId("long"), 10, 0,
-                                             torch.randn(m.config.max_position + 1, hidden_size)),
+                "past max position": forward(term, "long", 10, 0, torch.randn(m.config.max_position + 1, hidden_size)),
             }
             for what, msg in bad.items():
                 reply = await ask(msg)
@@ -446,10 +448,10 @@ async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hi
                 assert reply.reason, what
             # A bad batch changed nothing: the real session is as it was, and goes on.
             assert engine.sessions == 1 and engine.cached_length("real") == 3
-            ok = await ask(Forward(term, SessionId("real"), 11, 3, torch.randn(1, hidden_size)))
-            assert isinstance(ok, Result), ok
+            ok = await ask(forward(term, "real", 11, 3, torch.randn(1, hidden_size)))
+            assert isinstance(ok, ResultBatch), ok
             # Drops of sessions that do not exist, results nobody asked for: ignored.
-            for frame in (Drop(term, SessionId("ghost")), Result(term, SessionId("x"), 999, torch.randn(1, 2)),
+            for frame in (Drop(term, SessionId("ghost")), ResultBatch(term, 999, torch.randn(1, 2)),
                           Fail(term, 998, "nobody asked"), ResultBatch(term, 997, torch.randn(1, 2)),
                           Accept(term + 9, Span(0, 1))):
                 await p.ws.send_bytes(encode(frame))
@@ -457,7 +459,7 @@ async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hi
             await p.ws.send_bytes(encode(Ping(1, 0.0)))
             await p.next(Pong)
             assert engine.sessions == 0
-            assert node.node.links[p.me.node_id].alive, "a frame the stage could answer closed the link"
+            assert node.node.view.links[p.me.node_id].alive, "a frame the stage could answer closed the link"
     assert len(events(logs, "stale_frame_dropped")) >= 2
     assert len(events(logs, "forward_failed")) >= len(bad) - 2
     # With us gone it is its own supernode again, and serves as before.
@@ -529,17 +531,16 @@ async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
     PeerLost (the pipeline retries under the new plan), on a stage it is a Fail."""
     from types import SimpleNamespace
 
+    from meshd.control.follower import Follower
+    from meshd.control.runner import LocalRunner
     from meshd.errors import ModelError, PeerLost
-    from meshd.control.follower import LocalRunner, serve_forward
     from shards.engine import StageEngine
 
     n = Manifest.load(tiny_model_dir).n_layers
     engine = await asyncio.to_thread(StageEngine.load, tiny_model_dir, Span(0, n), False, False, "cpu", "float32")
     hidden = torch.randn(2, engine.config.hidden_size)
     segments = [Segment(SessionId("s"), 0, 2)]
-    metrics = SimpleNamespace(forwarded=lambda rows, seconds: None)
-    node = SimpleNamespace(config=SimpleNamespace(debug_layer_delay_ms=0.0), metrics=metrics, engine=engine)
-    runner = LocalRunner(node, engine)
+    runner = LocalRunner(engine)
     assert tuple((await runner.forward_batch(1, segments, hidden)).shape) == (2, engine.config.hidden_size)
     engine.close()
     assert engine.closed
@@ -551,6 +552,9 @@ async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
     sent = []
     link = SimpleNamespace(peer_id="sup", send=lambda msg: asyncio.sleep(0, sent.append(msg)))
     plan = Plan(1, NodeId("sup"), "m", "0" * 64, (Assignment(NodeId("me"), Span(0, n)),))
-    node.plan = plan
-    await serve_forward(node, link, 1, 7, segments, hidden)
+    view = SimpleNamespace(plan=plan)
+    store = SimpleNamespace(engine=engine)
+    config = SimpleNamespace(debug_layer_delay_ms=0.0)
+    follower = Follower(config, view, store, authority=None, spawn=None)
+    await follower.serve_forward(link, ForwardBatch(1, 7, tuple(segments), hidden))
     assert len(sent) == 1 and isinstance(sent[0], Fail) and "closed" in sent[0].reason, sent

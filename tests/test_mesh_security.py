@@ -3,7 +3,7 @@
 On the bridge of ``tiny_mesh``: a daemon holding the wrong secret and one of another
 mesh name (both advertising more VRAM than anyone, so that letting either in would
 change the supernode) stay out. Then pytest itself completes the real handshake as
-a fake peer with the right secret, and sends a Forward of a stale term (answered by
+a fake peer with the right secret, and sends a ForwardBatch of a stale term (answered by
 Fail, logged, nothing run) and then bytes that are no frame at all (that link alone
 is closed, code 4002). The mesh serves the same tokens throughout.
 """
@@ -26,12 +26,10 @@ from protocol.codec import decode, encode
 from protocol.messages import (
     Capabilities,
     Fail,
-    Forward,
     ForwardBatch,
     NodeId,
     Ping,
     Pong,
-    Result,
     ResultBatch,
     Segment,
     SessionId,
@@ -131,7 +129,7 @@ class FakePeer:
         async with asyncio.timeout(timeout):
             while True:
                 msg = await self.replies.get()
-                if isinstance(msg, (Fail, Result, ResultBatch)) and msg.req == req:
+                if isinstance(msg, (Fail, ResultBatch)) and msg.req == req:
                     return msg
 
 
@@ -173,10 +171,10 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
     async with fake_peer(target.url, secret, "lab") as peer:
         ids = {p["id"] for p in (await asyncio.to_thread(target.status))["peers"]}
         assert peer.node_id in ids, "the handshake with the right secret should have made a link"
-        # A single-session Forward of term 0, and the batched frame the pipeline sends
-        # (a decode row) of the term before this one: both for a session nobody has.
+        # The frame the pipeline sends (a decode row) of term 0 and of the term before
+        # this one: both for a session nobody has.
         session = SessionId("made-up-" + secrets.token_hex(4))
-        frames = [Forward(0, session, 1, 0, torch.randn(1, hidden)),
+        frames = [ForwardBatch(0, 1, (Segment(session, 0, 1),), torch.randn(1, hidden)),
                   ForwardBatch(max(0, term - 1), 2, (Segment(session, 5, 1),), torch.randn(1, hidden))]
         stale_terms = sorted(f.term for f in frames)
         for frame in frames:

@@ -31,7 +31,7 @@ async def pair(tiny_model_dir, tmp_path_factory):
                                 advertise_vram=4 * GiB, peer=(f"127.0.0.1:{port}",), secret_file=secret) as peer:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # both linked, one plan, pings measured
-                links = [sup.node.links.get(peer.node.node_id), peer.node.links.get(sup.node.node_id)]
+                links = [sup.node.view.links.get(peer.node.node_id), peer.node.view.links.get(sup.node.node_id)]
                 if all(link is not None and link.rtt_ms is not None for link in links) and peer.node.serves():
                     break
                 await asyncio.sleep(0.1)
@@ -99,7 +99,7 @@ async def test_metrics_count_what_happened(pair):
 
     # The stages: every layer ran somewhere, and each peer counts only its own span.
     _, p = await scrape(peer.url)
-    spans = {a.node: len(a.span) for a in sup.node.plan.assignments}
+    spans = {a.node: len(a.span) for a in sup.node.view.plan.assignments}
     forwarded = value(m, "meshd_stage_forward_tokens_total") + value(p, "meshd_stage_forward_tokens_total")
     assert forwarded > 0
     for node, samples in ((sup.node, m), (peer.node, p)):

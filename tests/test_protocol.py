@@ -23,7 +23,6 @@ from protocol.messages import (
     Commit,
     Drop,
     Fail,
-    Forward,
     ForwardBatch,
     Hello,
     NodeId,
@@ -31,7 +30,7 @@ from protocol.messages import (
     Plan,
     Pong,
     Reject,
-    Result,
+    RejectCode,
     ResultBatch,
     Segment,
     SessionId,
@@ -56,15 +55,14 @@ SAMPLES = [
         sources=(NodeId("a"),),
     ),
     Accept(term=3, span=Span(10, 30)),
-    Reject(term=3, reason="no room", capacity=1024),
+    Reject(term=3, reason="stale term: this peer is at term 5", capacity=1024, code=RejectCode.STALE_TERM,
+           held_term=5),
     Commit(term=3),
-    Forward(term=3, session=SessionId("s1"), req=9, start=17, hidden=HIDDEN),
-    Result(term=3, session=SessionId("s1"), req=9, hidden=HIDDEN * 2),
-    Fail(term=3, req=9, reason="engine error"),
-    Drop(term=3, session=SessionId("s1")),
     ForwardBatch(term=3, req=10, segments=(Segment(SessionId("s1"), 17, 1), Segment(SessionId("s2"), 0, 2)),
                  hidden=HIDDEN),
     ResultBatch(term=3, req=10, hidden=HIDDEN * 3),
+    Fail(term=3, req=9, reason="engine error"),
+    Drop(term=3, session=SessionId("s1")),
 ]
 
 
@@ -110,7 +108,7 @@ def test_tensor_round_trip(name, shape):
     else:
         info = torch.iinfo(dtype)
         t = torch.randint(info.min, info.max, shape, dtype=dtype)
-    msg = Forward(1, SessionId("s"), 0, 0, t)
+    msg = ResultBatch(1, 0, t)  # the frame that takes a tensor of any shape
     back = decode(encode(msg)).hidden
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
@@ -122,13 +120,13 @@ def test_bfloat16_travels_bit_for_bit():
     t = words.view(torch.bfloat16)
     d = pack_tensor(t)
     assert d["dtype"] == "bfloat16" and len(d["data"]) == 2 * 2**16
-    back = decode(encode(Result(1, SessionId("s"), 0, t))).hidden
+    back = decode(encode(ResultBatch(1, 0, t))).hidden
     assert torch.equal(back.view(torch.int16), words)
 
 
 def test_large_prefill_frame():
     t = torch.randn(2048, 4096, dtype=torch.float16)  # 16 MiB
-    assert torch.equal(decode(encode(Forward(1, SessionId("s"), 0, 0, t))).hidden, t)
+    assert torch.equal(decode(encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 2048),), t))).hidden, t)
 
 
 def test_non_contiguous_and_grad_tensors_pack():
@@ -248,7 +246,7 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (FWD, ("hidden", "data"), "text", "data must be bytes"),
         (FWD, ("hidden", "data"), b"\x00" * 7, "7 bytes"),
         (FWD, ("hidden",), DELETE, "missing field 'hidden'"),
-        (FWD, ("session",), 12, "expected str"),
+        (FWD, ("segments", 0, "session"), 12, "expected str"),
         (FWD, ("t",), "warp", "unknown message tag 'warp'"),
         (FWD, ("t",), 3, "tag must be a string"),
         (FWD, ("t",), DELETE, "no 't' tag"),
@@ -293,7 +291,7 @@ def test_text_frame_is_rejected():
 
 
 def test_oversize_frame_is_rejected_before_parsing():
-    data = encode(Forward(1, SessionId("s"), 0, 0, torch.zeros(64, 64)))
+    data = encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 64),), torch.zeros(64, 64)))
     rejects_at = len(data) - 1
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(data, max_size=rejects_at)

@@ -1,8 +1,15 @@
-"""The supernode's side of negotiation: Plan -> load -> Accept/Reject -> re-plan
-until every span is owned -> Commit, then the plan is active.
+"""The leader: this peer's one authority on who leads the mesh, under which term
+and with which plan. It is the only writer of the view's term, supernode, plan,
+history, draining and why-not-serving.
 
-``lead`` runs as one task of the node; a change of view cancels it and starts
-a new one under a higher term.
+- ``run`` is the election loop: a change of view (settled, so that peers starting
+  together make one plan; a loss or a drain at once) elects the supernode and, if
+  that is this peer, starts a negotiation under a higher term.
+- The negotiation: place -> Plan to every peer -> load this peer's part -> wait for
+  Accept/Reject -> re-plan until every span is owned -> Commit, then the plan is
+  active and the pipeline serves it.
+- A follower asks it to ``admit`` a plan (from the peer this one elects, at a term
+  no older than its own) and to ``follow`` it once committed.
 """
 
 from __future__ import annotations
@@ -10,21 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
 
 import structlog
 
-from meshd.control.follower import NOT_MY_SUPERNODE, STALE_TERM, LocalRunner, has_whole_model, load_engine, prepare_model, replicate
-from meshd.control.placement import place, replan
-from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost
-from meshd.serving.pipeline import ActivePlan
-from protocol.messages import Accept, Commit, NodeId, Plan, Reject
-
-if TYPE_CHECKING:
-    from meshd.node import Node
+from meshd.config import Config
+from meshd.control.election import accepts_plan, next_term
+from meshd.control.mesh import MeshView, NotServing, plan_json
+from meshd.control.placement import Costs, place, replan
+from meshd.control.runner import StageRunner
+from meshd.control.store import ModelStore
+from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost
+from protocol.messages import Accept, Assignment, Commit, NodeId, Plan, Reject, RejectCode
+from shards.engine import StageEngine
+from shards.manifest import Manifest
 
 log = structlog.get_logger()
 
+NOT_MY_SUPERNODE = "not my supernode"
 # A peer whose view has not caught up rejects with NOT_MY_SUPERNODE; wait and ask again.
 # (A peer at a higher term names it, and is asked again above it at once.)
 # The waits double from VIEW_RETRY_FIRST_S up to settle_s: a closed socket reaches every
@@ -33,127 +45,264 @@ VIEW_RETRIES = 8
 VIEW_RETRY_FIRST_S = 0.1
 
 
-async def lead(node: Node, reason: str = "") -> None:
-    t0 = time.monotonic()
-    try:
-        manifest, model_dir = await prepare_model(node, node.model_name, sources=_sources(node))
-    except KNOWN_ERRORS as exc:
-        node.unavailable = f"the supernode has no model: {exc}"
-        log.error("supernode_no_model", error=str(exc))
-        await node.pipeline.set_plan(None, node.unavailable)
-        return
-    node.tokenizer_for(model_dir)
-    excluded: dict[NodeId, str] = {}
-    view_retries = 0
-    while True:
-        node.term += 1
-        term = node.term
-        candidates = [c for c in node.candidates()
-                      if c.node_id not in excluded and c.node_id not in node.draining]
-        alive = {c.node_id for c in candidates}
-        # Decode is bound by bytes read, so the head costs what its bytes cost in layers.
-        head_ms = node.caps.layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
-        args = dict(supernode=node.node_id, n_layers=manifest.n_layers,
-                    layer_bytes=[manifest.layer_bytes(i) for i in range(manifest.n_layers)],
-                    head_bytes=manifest.embed_bytes, hop_ms=node.hop_ms(), head_ms=head_ms)
-        try:
-            if node.plan is not None:
-                assignments = replan(node.plan.assignments, alive, candidates, **args)
-            else:
-                assignments = place(candidates, **args)
-        except NoCapacity as exc:
-            node.unavailable = str(exc)
-            log.error("plan_impossible", term=term, reason=str(exc))
-            await node.pipeline.set_plan(None, node.unavailable)
+class PlanSink(Protocol):
+    """The supernode's pipeline, as the leader drives it."""
+
+    async def serve(self, term: int, assignments: Sequence[Assignment], runners: Mapping[NodeId, StageRunner]
+                    ) -> None: ...
+
+    async def suspend(self, reason: str) -> None: ...
+
+
+class Leader:
+    def __init__(self, config: Config, view: MeshView, store: ModelStore, pipeline: PlanSink, *,
+                 spawn: Callable[[Coroutine], asyncio.Task], local_runner: Callable[[StageEngine], StageRunner],
+                 use_model: Callable[[Path, Manifest], None], busy: Callable[[], bool]):
+        self.config = config
+        self.view = view
+        self.store = store
+        self.pipeline = pipeline
+        self.spawn = spawn
+        self.local_runner = local_runner  # this peer's span behind the pipeline's interface
+        self.use_model = use_model  # the supernode's parts that do not split (tokenizer, KV budget)
+        self.busy = busy  # whether streams are in flight on this peer
+        self._changed = asyncio.Event()
+        self._urgent = False  # a loss or a drain waits on the next plan: no settling
+        self._reason = "start"
+        self._lead_task: asyncio.Task | None = None
+        self._replies: dict[NodeId, asyncio.Future] = {}  # Accept/Reject per assigned peer
+        self._replies_term = 0  # the term of the plan those replies answer
+
+    # -- the election loop ---------------------------------------------------------------
+
+    def view_changed(self, reason: str, urgent: bool = False) -> None:
+        """Something the plan depends on changed; ``urgent`` skips the settling
+        (a loss or a drain: requests are waiting on the re-plan)."""
+        self._reason = reason
+        self._urgent = self._urgent or urgent
+        self._changed.set()
+        if urgent:
+            self.view.changes.pulse()  # a join deferred for the streams in flight waits no longer
+
+    async def run(self) -> None:
+        while True:
+            await self._changed.wait()
+            # Settle: peers that start together should produce one plan, not one
+            # each. A loss skips it: requests in flight are waiting on the re-plan.
+            while not self._urgent:
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), self.config.settle_s)
+                except TimeoutError:
+                    break
+            urgent, self._urgent = self._urgent, False
+            # An urgent change skips the settling loop, which is what clears the
+            # event: left set, it made a second re-plan (and replay) 1 s later.
+            self._changed.clear()
+            if not urgent:
+                await self._defer_join()
+                if self._urgent:  # a loss came while waiting: this re-plan covers it too
+                    self._urgent = False
+                    self._changed.clear()
+            self._reelect()
+
+    async def _defer_join(self) -> None:
+        """A join re-plans only once the streams in flight are done (within
+        ``join_defer_s``), so a peer that comes back disturbs none of them; the
+        supernode stays the same, or a loss arrives meanwhile, or time runs out."""
+        if not self.view.is_supernode or self.view.elected() != self.view.node_id:
             return
-        log.info("planning", term=term, reason=reason)
-        plan = Plan(term, node.node_id, manifest.name, manifest.digest, assignments, sources=_sources(node))
-        log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
-        node.pending_term = term  # replies are matched by it: a stale-term Reject moves node.term
-        node.pending_replies = {a.node: asyncio.get_running_loop().create_future()
-                                for a in assignments if a.node != node.node_id}
-        for link in list(node.links.values()):
-            with contextlib.suppress(PeerLost):
-                await link.send(plan)
-        mine = next((a.span for a in assignments if a.node == node.node_id), None)
+        await self.view.changes.wait_for(lambda: not self.busy() or self._urgent, self.config.join_defer_s)
+
+    def _reelect(self) -> None:
+        winner = self.view.elected()
+        if self._lead_task is not None and not self._lead_task.done():
+            self._lead_task.cancel()
+        if winner == self.view.node_id:
+            self.view.set_supernode(winner)
+            self._lead_task = self.spawn(self._lead(self._reason))
+        else:
+            if self.view.is_supernode:
+                log.info("supernode_yields", to=winner)
+                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}"))
+            self.view.set_supernode(winner)
+            self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, f"waiting for a plan from {winner}")
+
+    def negotiating(self) -> bool:
+        return self._lead_task is not None and not self._lead_task.done()
+
+    # -- peers coming and going ----------------------------------------------------------
+
+    def peer_joined(self, peer: NodeId) -> None:
+        self.view.draining.discard(peer)  # a peer that comes back is no longer drained
+        self.view_changed(f"peer {peer} joined")
+
+    def peer_lost(self, peer: NodeId, reason: str) -> None:
+        # A peer with no span (idle, or drained before it stopped) that is not the
+        # supernode leaves the plan and the election as they are: re-planning would
+        # only bump the term and replay every stream. Unless a negotiation waits on it.
+        if (self.view.plan is not None and not self.negotiating() and peer != self.view.supernode
+                and not self.view.in_plan(peer)):
+            return
+        self.view_changed(f"peer {peer} lost: {reason}", urgent=True)
+
+    # -- the supernode's negotiation -------------------------------------------------------
+
+    async def _cannot_serve(self, why: NotServing, detail: str) -> None:
+        self.view.set_unavailable(why, detail)
+        await self.pipeline.suspend(detail)
+
+    async def _lead(self, reason: str = "") -> None:
+        t0 = time.monotonic()
+        view, store = self.view, self.store
         try:
-            engine = await load_engine(node, manifest, model_dir, mine, embed=True, head=True,
-                                       sources=plan.sources)
+            manifest, model_dir = await store.prepare(store.model_name, sources=store.sources())
         except KNOWN_ERRORS as exc:
-            node.unavailable = f"the supernode cannot load its part: {exc}"
-            log.error("supernode_load_failed", error=str(exc))
-            await node.pipeline.set_plan(None, node.unavailable)
+            log.error("supernode_no_model", error=str(exc))
+            await self._cannot_serve(NotServing.NO_MODEL, f"the supernode has no model: {exc}")
             return
-        replies = await _collect(node, node.config.accept_timeout_s)
-        rejects = {n: r for n, r in replies.items() if not isinstance(r, Accept)}
-        if rejects:
-            for n, why in rejects.items():
-                log.warning("plan_rejected", term=term, peer=n, reason=str(why))
+        self.use_model(model_dir, manifest)
+        excluded: dict[NodeId, str] = {}
+        view_retries = 0
+        while True:
+            term = next_term(view.term)
+            view.hold_term(term)
+            candidates = [c for c in view.candidates() if c.node_id not in excluded and c.node_id not in view.draining]
+            alive = {c.node_id for c in candidates}
+            costs = Costs.of_model(manifest, view.node_id, view.caps.layer_ms, view.hop_ms())
+            try:
+                if view.plan is not None:
+                    assignments = replan(view.plan.assignments, alive, candidates, costs)
+                else:
+                    assignments = place(candidates, costs)
+            except NoCapacity as exc:
+                log.error("plan_impossible", term=term, reason=str(exc))
+                await self._cannot_serve(NotServing.NO_ROOM, str(exc))
+                return
+            log.info("planning", term=term, reason=reason)
+            plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources())
+            log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+            self._replies_term = term  # replies are matched by it
+            self._replies = {a.node: asyncio.get_running_loop().create_future()
+                             for a in assignments if a.node != view.node_id}
+            for link in list(view.links.values()):
+                with contextlib.suppress(PeerLost):
+                    await link.send(plan)
+            mine = next((a.span for a in assignments if a.node == view.node_id), None)
+            try:
+                engine = await store.load(manifest, model_dir, mine, embed=True, head=True, sources=plan.sources)
+            except KNOWN_ERRORS as exc:
+                log.error("supernode_load_failed", error=str(exc))
+                await self._cannot_serve(NotServing.LOAD_FAILED, f"the supernode cannot load its part: {exc}")
+                return
+            replies = await self._collect(self.config.accept_timeout_s)
+            rejects = {n: r for n, r in replies.items() if not isinstance(r, Accept)}
+            if not rejects:
+                break
+            store.discard(engine)
+            for n, r in rejects.items():
+                log.warning("plan_rejected", term=term, peer=n, reason=r.reason)
             # A stale term (this supernode restarted, its term began again at 0) is
             # retried too, above the term the peer named: excluding the peer would
             # leave the restarted supernode planning alone.
-            behind = [r for r in rejects.values() if NOT_MY_SUPERNODE in str(r)]
-            stale = [r for r in rejects.values() if STALE_TERM.search(str(r))]
+            behind = [r for r in rejects.values() if r.code is RejectCode.NOT_MY_SUPERNODE]
+            stale = [r for r in rejects.values() if r.code is RejectCode.STALE_TERM]
             if len(behind) + len(stale) == len(rejects) and view_retries < VIEW_RETRIES:
                 view_retries += 1
                 if behind:
-                    await asyncio.sleep(min(node.config.settle_s, VIEW_RETRY_FIRST_S * 2 ** (view_retries - 1)))
+                    await asyncio.sleep(min(self.config.settle_s, VIEW_RETRY_FIRST_S * 2 ** (view_retries - 1)))
             else:
-                excluded.update({n: str(r) for n, r in rejects.items()})
-            continue
-        break
+                excluded.update({n: r.reason for n, r in rejects.items()})
 
-    if node.supernode != node.node_id:
-        # While this plan loaded, this peer accepted the plan of the peer it now
-        # elects (it led alone while cut off, and rejoined): activating this one
-        # would put it on a term of its own, refusing the mesh's frames for good.
-        log.info("plan_abandoned", term=term, supernode=node.supernode)
-        if engine is not node.engine:
-            engine.close()
-        return
-    for link in list(node.links.values()):
-        with contextlib.suppress(PeerLost):
-            await link.send(Commit(term))
-    node.activate(plan, engine, reason)
-    runners = {a.node: (LocalRunner(node, engine) if a.node == node.node_id else node.links[a.node])
-               for a in assignments}
-    await node.pipeline.set_plan(ActivePlan(term, assignments, runners))
-    node.unavailable = ""
-    node.spawn(replicate(node))
-    log.info("plan_active", term=term, seconds=round(time.monotonic() - t0, 2),
-             plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+        if not view.is_supernode:
+            # While this plan loaded, this peer accepted the plan of the peer it now
+            # elects (it led alone while cut off, and rejoined): activating this one
+            # would put it on a term of its own, refusing the mesh's frames for good.
+            log.info("plan_abandoned", term=term, supernode=view.supernode)
+            store.discard(engine)
+            return
+        for link in list(view.links.values()):
+            with contextlib.suppress(PeerLost):
+                await link.send(Commit(term))
+        store.use(engine)
+        runners = {a.node: (self.local_runner(engine) if a.node == view.node_id else view.links[a.node])
+                   for a in assignments}
+        await self.pipeline.serve(term, assignments, runners)
+        view.activate(plan, reason)  # after the pipeline serves it: a drain waiting on it may stop the peer
+        view.clear_unavailable()
+        self.spawn(store.replicate())
+        log.info("plan_active", term=term, seconds=round(time.monotonic() - t0, 2),
+                 plan=" ".join(f"{a.node}={a.span}" for a in assignments))
 
+    async def _collect(self, timeout: float) -> dict[NodeId, Accept | Reject]:
+        """Each assigned peer's Accept or Reject; a peer that says nothing in time, or
+        whose link drops, counts as a Reject."""
+        futures = self._replies
+        if futures:
+            await asyncio.wait(futures.values(), timeout=timeout)
+        out: dict[NodeId, Accept | Reject] = {}
+        for peer, future in futures.items():
+            link = self.view.links.get(peer)
+            if future.done():
+                out[peer] = future.result()
+            elif link is None or not link.alive:
+                out[peer] = Reject(self._replies_term, "link lost during negotiation")
+            else:
+                out[peer] = Reject(self._replies_term, f"no answer in {timeout:.0f} s")
+        self._replies = {}
+        return out
 
-def _sources(node: Node) -> tuple[NodeId, ...]:
-    """Peers that hold the whole model, this one first."""
-    name = node.model_name
-    out = [node.node_id] if has_whole_model(node) else []
-    out += [pid for pid, link in node.links.items() if link.alive and name in link.caps.models]
-    return tuple(out)
+    def on_reply(self, sender: NodeId, msg: Accept | Reject) -> None:
+        if isinstance(msg, Reject) and msg.code is RejectCode.STALE_TERM:
+            self.view.hold_term(msg.held_term)  # the next plan goes above it
+        future = self._replies.get(sender)
+        if future is None or future.done() or msg.term != self._replies_term:
+            log.debug("reply_ignored", peer=sender, term=msg.term)
+            return
+        future.set_result(msg)
 
+    # -- for a follower --------------------------------------------------------------------
 
-async def _collect(node: Node, timeout: float) -> dict[NodeId, object]:
-    """Each assigned peer's Accept or Reject; a peer that says nothing in time, or
-    whose link drops, counts as a Reject."""
-    futures = node.pending_replies
-    if futures:
-        await asyncio.wait(futures.values(), timeout=timeout)
-    out: dict[NodeId, object] = {}
-    for peer, future in futures.items():
-        link = node.links.get(peer)
-        if future.done():
-            out[peer] = future.result()
-        elif link is None or not link.alive:
-            out[peer] = Reject(node.term, "link lost during negotiation")
-        else:
-            out[peer] = Reject(node.term, f"no answer in {timeout:.0f} s")
-    node.pending_replies = {}
-    return out
+    def admit(self, sender: NodeId, plan: Plan) -> Reject | None:
+        """Whether to follow ``plan`` from ``sender``: None, and its term is held, when
+        it comes from the peer this one elects at a term no older than its own."""
+        expected = self.view.elected()
+        if plan.supernode != sender or not accepts_plan(expected, plan.term, sender, plan.term):
+            return Reject(plan.term, f"{NOT_MY_SUPERNODE} (this peer holds {expected})",
+                          code=RejectCode.NOT_MY_SUPERNODE)
+        if not accepts_plan(expected, self.view.term, sender, plan.term):
+            return Reject(plan.term, f"stale term: this peer is at term {self.view.term}",
+                          code=RejectCode.STALE_TERM, held_term=self.view.term)
+        self.view.hold_term(plan.term)
+        self.view.set_supernode(sender)
+        return None
 
+    def follow(self, plan: Plan, engine: StageEngine | None, reason: str) -> None:
+        self.store.use(engine)
+        self.view.activate(plan, reason)
 
-def on_reply(node: Node, sender: NodeId, msg: Accept | Reject) -> None:
-    future = node.pending_replies.get(sender)
-    if future is None or future.done() or msg.term != node.pending_term:
-        log.debug("reply_ignored", peer=sender, term=msg.term)
-        return
-    future.set_result(msg)
+    # -- drain -----------------------------------------------------------------------------
+
+    async def drain(self, peer: NodeId) -> dict:
+        """Supernode: move ``peer``'s span to the others, and return once a plan
+        without it is active (a planned shutdown then loses no time)."""
+        view = self.view
+        if peer == view.node_id:
+            raise BadRequest("the supernode cannot be drained: stop it and the next peer takes over", 409)
+        if peer not in view.links:
+            raise BadRequest(f"no peer {peer} in this mesh", 404, param="node")
+        view.draining.add(peer)
+        self.view_changed(f"drain {peer}", urgent=True)
+
+        def moved() -> bool:
+            return view.plan is not None and not view.in_plan(peer)
+
+        def no_room() -> bool:
+            return view.unavailable is not None and view.unavailable.why is NotServing.NO_ROOM
+
+        await view.changes.wait_for(lambda: moved() or no_room(), self.config.drain_timeout_s)
+        if moved():
+            return {"node": peer, "drained": True, "term": view.plan.term, "plan": plan_json(view.plan.assignments)}
+        view.draining.discard(peer)
+        self.view_changed(f"drain of {peer} undone")
+        raise NoCapacity(f"could not move {peer}'s span away: {view.unavailable or 'timed out'}")

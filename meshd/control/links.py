@@ -1,7 +1,8 @@
 """Keeping one authenticated link per peer: dialing what discovery and the static
 peer list name (the smaller node id dials), taking incoming links at /mesh/ws,
 dropping duplicates, and the heartbeat that tells a hung or cut-off peer from a
-live one. Every link it keeps is in ``node.links``; a lost one moves to ``node.lost``.
+live one. It is the one writer of the view's ``links`` and ``lost``; what a join or
+a loss means for the plan is the leader's to decide (``on_joined``, ``on_lost``).
 """
 
 from __future__ import annotations
@@ -9,19 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Coroutine
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from meshd.control.discovery import Advert, PeerGone, PeerSeen
-from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, SelfLink, handshake
+from meshd.config import Config
+from meshd.control.discovery import Advert, DiscoveryEvent, PeerGone, PeerSeen
+from meshd.control.mesh import MeshView
+from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
 from meshd.errors import AuthError, PeerLost, ProtocolError
-
-if TYPE_CHECKING:
-    from meshd.node import Node
+from protocol.messages import Message, NodeId
 
 log = structlog.get_logger()
 
@@ -32,42 +32,50 @@ def url_host(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
 
-@dataclass(slots=True)
-class LostPeer:
-    hello: object
-    addr: str
-    since: float
-    reason: str
+def peer_url(scheme: str, link: Link) -> str:
+    """The base URL of a linked peer's HTTP API (which also serves its shard files)."""
+    return f"{scheme}://{url_host(link.addr)}:{link.caps.api_port}"
 
 
 class LinkKeeper:
-    def __init__(self, node: Node):
-        self.node = node
+    def __init__(self, config: Config, view: MeshView, identity: LocalIdentity,
+                 http: Callable[[], aiohttp.ClientSession], spawn: Callable[[Coroutine], object],
+                 handle: Callable[[Link, Message], Awaitable[None]],
+                 on_joined: Callable[[NodeId], None], on_lost: Callable[[NodeId, str], None]):
+        self.config = config
+        self.view = view
+        self.identity = identity
+        self._http = http
+        self.spawn = spawn
+        self.handle = handle  # every message the link's read loop does not settle itself
+        self.on_joined = on_joined
+        self.on_lost = on_lost
+        self.events: asyncio.Queue[DiscoveryEvent] = asyncio.Queue()  # discovery's PeerSeen / PeerGone
         self.adverts: dict[str, Advert] = {}  # what mDNS lists now
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
 
     async def discovery_loop(self) -> None:
         while True:
-            event = await self.node.events.get()
+            event = await self.events.get()
             match event:
                 case PeerSeen(advert=advert):
                     self.adverts[advert.node_id] = advert
                 case PeerGone(node_id=node_id):
                     self.adverts.pop(node_id, None)
-                    link = self.node.links.get(node_id)
+                    link = self.view.links.get(node_id)
                     if link is not None:  # mDNS says gone: confirm with a ping, the heartbeat decides
                         with contextlib.suppress(PeerLost):
                             await link.call_ping()
 
     def _dial_targets(self) -> list[tuple[str, str, int]]:
         targets = []
-        linked_addrs = {(link.addr, link.caps.api_port) for link in self.node.links.values() if link.alive}
+        linked_addrs = {(link.addr, link.caps.api_port) for link in self.view.live_links().values()}
         for advert in self.adverts.values():
             # One link per pair: the peer with the smaller id dials.
-            if advert.node_id not in self.node.links and self.node.node_id < advert.node_id:
+            if advert.node_id not in self.view.links and self.view.node_id < advert.node_id:
                 targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port))
-        for addr in self.node.config.peer:
+        for addr in self.config.peer:
             host, _, port = addr.rpartition(":")
             if (host, int(port)) not in linked_addrs:
                 targets.append((addr, host, int(port)))
@@ -80,15 +88,15 @@ class LinkKeeper:
                 if key in self._dialing or self._dial_after.get(key, 0) > now:
                     continue
                 self._dialing.add(key)
-                self.node.spawn(self._dial(key, host, port))
+                self.spawn(self._dial(key, host, port))
             await asyncio.sleep(0.5)
 
     async def _dial(self, key: str, host: str, port: int) -> None:
-        url = f"{'wss' if self.node.config.tls_cert else 'ws'}://{url_host(host)}:{port}/mesh/ws"
+        url = f"{'wss' if self.config.tls_cert else 'ws'}://{url_host(host)}:{port}/mesh/ws"
         try:
             try:
-                ws = await self.node.http.ws_connect(
-                    url, max_msg_size=self.node.config.max_frame_bytes, compress=0, autoping=True,
+                ws = await self._http().ws_connect(
+                    url, max_msg_size=self.config.max_frame_bytes, compress=0, autoping=True,
                     timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -96,7 +104,7 @@ class LinkKeeper:
                 log.debug("dial_failed", url=url, error=str(exc))
                 return
             try:
-                hello = await handshake(ws, self.node.identity, self.node.caps)
+                hello = await handshake(ws, self.identity, self.view.caps)
             except SelfLink:
                 self._dial_after[key] = float("inf")  # never again
                 await ws.close()
@@ -112,7 +120,7 @@ class LinkKeeper:
                 await ws.close()
                 return
             self._dial_after.pop(key, None)
-            await self._serve_link(Link(ws, hello, host, True, self.node.config.max_frame_bytes))
+            await self._serve_link(Link(ws, hello, host, True, self.config.max_frame_bytes))
         finally:
             self._dialing.discard(key)
 
@@ -121,10 +129,10 @@ class LinkKeeper:
         self._dial_after[key] = time.monotonic() + wait
 
     async def ws_handler(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.node.config.max_frame_bytes, compress=False, autoping=True)
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, compress=False, autoping=True)
         await ws.prepare(request)
         try:
-            hello = await handshake(ws, self.node.identity, self.node.caps)
+            hello = await handshake(ws, self.identity, self.view.caps)
         except SelfLink:
             await ws.close()
             return ws
@@ -135,69 +143,55 @@ class LinkKeeper:
         except (ConnectionError, TimeoutError) as exc:
             log.info("handshake_failed", addr=request.remote, reason=str(exc))
             return ws
-        await self._serve_link(Link(ws, hello, request.remote or "", False, self.node.config.max_frame_bytes))
+        await self._serve_link(Link(ws, hello, request.remote or "", False, self.config.max_frame_bytes))
         return ws
 
     async def _serve_link(self, link: Link) -> None:
-        if self.node.config.debug_link_delay_ms:
-            link.simulate_delay(self.node.config.debug_link_delay_ms, self.node.config.debug_link_jitter_ms)
+        if self.config.debug_link_delay_ms:
+            link.simulate_delay(self.config.debug_link_delay_ms, self.config.debug_link_jitter_ms)
         if not self._register(link):
             await link.close("duplicate link", CLOSE_DUPLICATE)
             return
         try:
-            await link.read_loop(self.node.handle)
+            await link.read_loop(self.handle)
         finally:
             self._unregister(link)
 
     def _preferred(self, link: Link) -> bool:
         """Of two links to one peer, keep the one the smaller id dialed."""
-        return link.dialed == (self.node.node_id < link.peer_id)
+        return link.dialed == (self.view.node_id < link.peer_id)
 
     def _register(self, link: Link) -> bool:
-        old = self.node.links.get(link.peer_id)
+        old = self.view.links.get(link.peer_id)
         if old is not None and old.alive and self._preferred(old) and not self._preferred(link):
             return False
-        self.node.links[link.peer_id] = link
-        self.node.lost.pop(link.peer_id, None)
+        self.view.add_link(link)
         if old is not None and old.alive:
-            self.node.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
+            self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
         log.info("peer_joined", peer=link.peer_id, name=link.hello.name, addr=link.addr,
                  device=link.caps.device, vram=link.caps.vram)
-        self.node.draining.discard(link.peer_id)  # a peer that comes back is no longer drained
-        self.node.view_changed(f"peer {link.peer_id} joined")
-        self.node.spawn(self.ping(link))  # an RTT to show (and to place by) from the start
+        self.on_joined(link.peer_id)
+        self.spawn(self.ping(link))  # an RTT to show (and to place by) from the start
         return True
 
     def _unregister(self, link: Link) -> None:
-        if self.node.links.get(link.peer_id) is not link:
-            return
-        del self.node.links[link.peer_id]
-        self.node.lost[link.peer_id] = LostPeer(link.hello, link.addr, time.time(), link.close_reason)
-        log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
-        # A peer with no span (idle, or drained before it stopped) that is not the
-        # supernode leaves the plan and the election as they are: re-planning would
-        # only bump the term and replay every stream. Unless a negotiation waits on it.
-        plan = self.node.plan
-        negotiating = self.node._lead_task is not None and not self.node._lead_task.done()
-        if (plan is not None and not negotiating and link.peer_id != self.node.supernode
-                and all(a.node != link.peer_id for a in plan.assignments)):
-            return
-        self.node.view_changed(f"peer {link.peer_id} lost: {link.close_reason}", urgent=True)
+        if self.view.remove_link(link):
+            log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
+            self.on_lost(link.peer_id, link.close_reason)
 
     async def heartbeat_loop(self) -> None:
         """Ping every link each beat; a link silent for ``missed_beats`` beats is lost
         (a hung or partitioned peer sends no close)."""
-        beat = self.node.config.heartbeat_s
-        limit = beat * self.node.config.missed_beats
+        beat = self.config.heartbeat_s
+        limit = beat * self.config.missed_beats
         while True:
             now = time.monotonic()
-            for link in list(self.node.links.values()):
+            for link in list(self.view.links.values()):
                 if now - link.last_heard > limit:
-                    self.node.spawn(link.close(f"missed {self.node.config.missed_beats} heartbeats"))
+                    self.spawn(link.close(f"missed {self.config.missed_beats} heartbeats"))
                 else:
-                    self.node.spawn(self.ping(link))
-            for pid in [p for p, lost in self.node.lost.items() if time.time() - lost.since > LOST_SHOWN_S]:
-                del self.node.lost[pid]
+                    self.spawn(self.ping(link))
+            self.view.forget_lost(LOST_SHOWN_S)
             await asyncio.sleep(beat)
 
     async def ping(self, link: Link) -> None:

@@ -40,7 +40,6 @@ from protocol.messages import (
     NodeId,
     Ping,
     Pong,
-    Result,
     ResultBatch,
     Segment,
 )
@@ -198,7 +197,7 @@ class Link:
     # -- incoming ------------------------------------------------------------
 
     async def read_loop(self, handle: Callable[[Link, Message], Awaitable[None]]) -> None:
-        """Decode frames until the socket closes; Result/Fail/Pong are settled here,
+        """Decode frames until the socket closes; ResultBatch/Fail/Pong are settled here,
         everything else goes to ``handle`` (which must not block on torch)."""
         try:
             async for frame in self.ws:
@@ -214,7 +213,7 @@ class Link:
                         await self.send(Pong(seq, sent))
                     case Pong(sent=sent):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
-                    case Result(req=req, hidden=hidden) | ResultBatch(req=req, hidden=hidden):
+                    case ResultBatch(req=req, hidden=hidden):
                         self._settle(req, hidden)
                     case Fail(req=req, reason=reason):
                         self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))

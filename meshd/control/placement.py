@@ -24,10 +24,11 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from meshd.errors import NoCapacity, ProtocolError
 from protocol.messages import Assignment, Capabilities, NodeId
+from shards.manifest import Manifest
 from shards.span import Span
 
 _EPS = 1e-9  # float slack when comparing bottlenecks
@@ -48,16 +49,39 @@ class Candidate:
         return cls(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
 
 
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What a plan is weighed by: the model's sizes and the costs outside the layers.
+    ``place`` and ``replan`` take one; ``of_model`` builds it the leader's way."""
+
+    supernode: NodeId
+    n_layers: int
+    layer_bytes: int | Sequence[int]
+    head_bytes: int = 0
+    hop_ms: float = 0.0  # a round trip off the supernode
+    head_ms: float = 0.0  # embedding and head, on the supernode
+
+    @classmethod
+    def of_model(cls, manifest: Manifest, supernode: NodeId, layer_ms: float, hop_ms: float) -> Costs:
+        # Decode is bound by bytes read, so the head costs what its bytes cost in layers.
+        head_ms = layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
+        return cls(supernode, manifest.n_layers, [manifest.layer_bytes(i) for i in range(manifest.n_layers)],
+                   manifest.embed_bytes, hop_ms, head_ms)
+
+
+def _costs(costs: Costs | None, fields: dict[str, Any]) -> Costs:
+    """A ``Costs``, given whole or as its fields by keyword."""
+    if (costs is None) == (not fields):
+        raise TypeError("give a Costs or its fields by keyword, not both")
+    return costs if costs is not None else Costs(**fields)
+
+
 def place(
     candidates: Iterable[Candidate],
+    costs: Costs | None = None,
     *,
-    supernode: NodeId,
-    n_layers: int,
-    layer_bytes: int | Sequence[int],
-    head_bytes: int = 0,
-    hop_ms: float = 0.0,
-    head_ms: float = 0.0,
     order: Sequence[NodeId] = (),
+    **fields: Any,
 ) -> tuple[Assignment, ...]:
     """Spans covering ``[0, n_layers)`` exactly once, in layer order, the
     supernode's first (from layer 0) when it has one.
@@ -66,25 +90,26 @@ def place(
     so that a re-plan moves boundaries rather than whole spans.
     Raises ``NoCapacity`` when the candidates cannot hold the model.
     """
-    peers = _usable(candidates, supernode, head_bytes)
-    per_layer = _per_layer_bytes(layer_bytes, n_layers)
-    caps = {p.node_id: _room(p, supernode, head_bytes) // per_layer for p in peers}
+    c = _costs(costs, fields)
+    peers = _usable(candidates, c.supernode, c.head_bytes)
+    per_layer = _per_layer_bytes(c.layer_bytes, c.n_layers)
+    caps = {p.node_id: _room(p, c.supernode, c.head_bytes) // per_layer for p in peers}
     held = sum(caps.values())
-    if held < n_layers:
-        short = (n_layers - held) * per_layer
+    if held < c.n_layers:
+        short = (c.n_layers - held) * per_layer
         raise NoCapacity(
-            f"peers have room for {held} of {n_layers} layers: {short} bytes short "
-            f"({n_layers - held} x {per_layer}-byte layers)"
+            f"peers have room for {held} of {c.n_layers} layers: {short} bytes short "
+            f"({c.n_layers - held} x {per_layer}-byte layers)"
         )
 
     # Each peer's next finish time, smallest first; ties go to the earlier peer
     # in layout order, so equal peers alternate.
-    layout = _layout(peers, supernode, order)
+    layout = _layout(peers, c.supernode, order)
     counts = dict.fromkeys(layout, 0)
     ms = {p.node_id: p.layer_ms for p in peers}
-    heap = [(_fixed_ms(n, supernode, hop_ms, head_ms) + ms[n], i, n) for i, n in enumerate(layout) if caps[n]]
+    heap = [(_fixed_ms(n, c.supernode, c.hop_ms, c.head_ms) + ms[n], i, n) for i, n in enumerate(layout) if caps[n]]
     heapq.heapify(heap)
-    for _ in range(n_layers):
+    for _ in range(c.n_layers):
         finish, i, node = heapq.heappop(heap)
         counts[node] += 1
         if counts[node] < caps[node]:
@@ -102,13 +127,8 @@ def replan(
     current: Sequence[Assignment],
     alive: set[NodeId],
     candidates: Iterable[Candidate],
-    *,
-    supernode: NodeId,
-    n_layers: int,
-    layer_bytes: int | Sequence[int],
-    head_bytes: int = 0,
-    hop_ms: float = 0.0,
-    head_ms: float = 0.0,
+    costs: Costs | None = None,
+    **fields: Any,
 ) -> tuple[Assignment, ...]:
     """A plan for the ``alive`` peers that disturbs ``current`` as little as is free.
 
@@ -118,18 +138,16 @@ def replan(
     with the survivors laid out in their current order so boundaries shift
     rather than spans jumping across the model.
     """
-    pool = [c for c in candidates if c.node_id in alive]
+    c = _costs(costs, fields)
+    pool = [p for p in candidates if p.node_id in alive]
     survivors = [a.node for a in sorted(current, key=lambda a: a.span.start) if a.node in alive]
-    fresh = place(
-        pool, supernode=supernode, n_layers=n_layers, layer_bytes=layer_bytes,
-        head_bytes=head_bytes, hop_ms=hop_ms, head_ms=head_ms, order=survivors,
-    )
-    patched = _patch(current, pool, supernode, n_layers, layer_bytes, head_bytes)
+    fresh = place(pool, c, order=survivors)
+    patched = _patch(current, pool, c)
     if patched is None:
         return fresh
 
     def cost(plan: Sequence[Assignment]) -> float:
-        return bottleneck(plan, candidates=pool, supernode=supernode, hop_ms=hop_ms, head_ms=head_ms)
+        return bottleneck(plan, candidates=pool, supernode=c.supernode, hop_ms=c.hop_ms, head_ms=c.head_ms)
 
     return patched if cost(patched) <= cost(fresh) + _EPS else fresh
 
@@ -222,20 +240,14 @@ def _layout(peers: list[Candidate], supernode: NodeId, order: Sequence[NodeId]) 
     return [supernode, *rest]
 
 
-def _patch(
-    current: Sequence[Assignment],
-    pool: list[Candidate],
-    supernode: NodeId,
-    n_layers: int,
-    layer_bytes: int | Sequence[int],
-    head_bytes: int,
-) -> tuple[Assignment, ...] | None:
+def _patch(current: Sequence[Assignment], pool: list[Candidate], costs: Costs) -> tuple[Assignment, ...] | None:
     """``current`` with each lost span given whole to the fastest idle peer that
     can hold it, or None when that is not possible."""
+    supernode, head_bytes = costs.supernode, costs.head_bytes
     by_id = {c.node_id: c for c in pool}
-    per_layer = _per_layer_bytes(layer_bytes, n_layers)
+    per_layer = _per_layer_bytes(costs.layer_bytes, costs.n_layers)
     try:
-        validate(sorted(current, key=lambda a: a.span.start), n_layers)
+        validate(sorted(current, key=lambda a: a.span.start), costs.n_layers)
     except ProtocolError:
         return None
     idle = sorted(

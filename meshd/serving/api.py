@@ -10,14 +10,18 @@ import asyncio
 import dataclasses
 import hmac
 import json
-from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
 from meshd.control.transfer import AUTH_HEADER, check_files_token
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
+from meshd.serving import dashboard
+from meshd.serving.daemon import NODE, Daemon
 from meshd.serving.openai import (
+    DONE,
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
     CompletionRequest,
     choice_json,
     chunk_json,
@@ -25,16 +29,13 @@ from meshd.serving.openai import (
     error_json,
     parse_request,
     response_json,
+    sse,
 )
 from meshd.serving.proxy import proxy_completion
 from meshd.serving.scheduler import Usage
 
-if TYPE_CHECKING:
-    from meshd.node import Node
-
 log = structlog.get_logger()
 
-NODE = web.AppKey("node", "Node")
 KEEPALIVE_S = 1.0
 
 
@@ -121,7 +122,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     if node.stopping:
         raise NoCapacity("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
-    if not node.is_supernode:
+    if not node.view.is_supernode:
         return await proxy_completion(node, request, body, chat)
     engine_ready = node.serving_parts()
     if engine_ready is None:
@@ -142,7 +143,7 @@ def _choice_params(req: CompletionRequest, index: int):
     return dataclasses.replace(req.params, seed=req.params.seed + index)
 
 
-async def _whole(node: Node, req: CompletionRequest) -> web.Response:
+async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
     cid = completion_id(req.chat)
     usage = Usage()
 
@@ -154,18 +155,18 @@ async def _whole(node: Node, req: CompletionRequest) -> web.Response:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             finish = chunk.finish_reason or finish
-        return choice_json(req, index, "".join(text), ids, finish)
+        return choice_json(req.chat, index, "".join(text), ids, finish)
 
     choices = await asyncio.gather(*(one(i) for i in range(req.n)))
     return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
 
 
-async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> web.StreamResponse:
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) -> web.StreamResponse:
     cid = completion_id(req.chat)
     # Fail before the 200 goes out when the mesh cannot serve at all.
     if node.pipeline.plan is None:
         raise NoCapacity(node.unavailable_reason())
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     queue: asyncio.Queue[dict | None] = asyncio.Queue()
 
@@ -191,16 +192,16 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
             except TimeoutError:
                 # An SSE comment while a long prefill runs: tells the entry peer
                 # (and any proxy) that this supernode is alive.
-                await resp.write(b": keepalive\n\n")
+                await resp.write(SSE_KEEPALIVE)
                 continue
             if item is None:
                 finished += 1
             else:
-                await resp.write(b"data: " + json.dumps(item).encode() + b"\n\n")
+                await resp.write(sse(item))
         if req.include_usage:
             final = response_json(req, cid, [], len(req.prompt_ids), usage.completion_tokens)
             final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
-            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+            await resp.write(sse(final))
 
     # A client that goes away makes write_events raise, the group cancels the
     # generations, and their sessions are freed on every stage.
@@ -220,8 +221,8 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
         status = 503 if isinstance(failure, NoCapacity) else 500
-        await resp.write(b"data: " + json.dumps(error_json(f"generation failed: {failure}", status)).encode() + b"\n\n")
-    await resp.write(b"data: [DONE]\n\n")
+        await resp.write(sse(error_json(f"generation failed: {failure}", status)))
+    await resp.write(sse(DONE))
     await resp.write_eof()
     return resp
 
@@ -249,18 +250,20 @@ async def drain(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("node"), str):
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
-    if not node.is_supernode:
+    if not node.view.is_supernode:
         base = await node.supernode_base_url()
         async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 
 
-def add_routes(app: web.Application) -> None:
-    from meshd.serving import dashboard, metrics
-
-    app.middlewares.insert(0, metrics.count_requests)  # outermost: sees the status the client gets
-    app.router.add_get("/metrics", metrics.handle_metrics)
+def make_app(node: Daemon) -> web.Application:
+    """The HTTP app of a peer: these routes, and the node's own (``/mesh/...``) added by it."""
+    app = web.Application(client_max_size=node.config.max_body_bytes,
+                          # outermost first: the count sees the status the client gets
+                          middlewares=[node.metrics.count_requests, auth_middleware, errors_middleware])
+    app[NODE] = node
+    app.router.add_get("/metrics", node.metrics.handle)
     dashboard.add_routes(app)
     app.router.add_post("/v1/mesh/drain", drain)
     app.router.add_post("/v1/completions", completions)
@@ -268,3 +271,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
+    return app

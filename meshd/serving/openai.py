@@ -1,10 +1,13 @@
 """The OpenAI-compatible request and response shapes: validation of what a
-client sends, and the JSON / SSE objects we send back."""
+client sends, the JSON objects we send back, and their server-sent-event framing
+(one helper each: ``error_json``, ``sse``/``sse_events``)."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,8 +128,8 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def choice_json(req: CompletionRequest, index: int, text: str, token_ids: list[int], finish: str | None) -> dict:
-    if req.chat:
+def choice_json(chat: bool, index: int, text: str, token_ids: list[int], finish: str | None) -> dict:
+    if chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
@@ -137,17 +140,19 @@ def choice_json(req: CompletionRequest, index: int, text: str, token_ids: list[i
 
 
 def response_json(req: CompletionRequest, cid: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    return completion_json(req.chat, cid, req.model, choices, usage)
+
+
+def completion_json(chat: bool, cid: str, model: str | None, choices: list[dict], usage: dict | None) -> dict:
     return {
         "id": cid,
-        "object": "chat.completion" if req.chat else "text_completion",
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": req.model,
+        "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage,
     }
 
 
@@ -168,7 +173,30 @@ def chunk_json(
 
 
 def error_json(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error shape, as a body or as an event of a stream that fails."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     code = {404: "model_not_found" if param == "model" else "not_found", 413: "request_too_large",
             503: "mesh_unavailable"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- server-sent events ---------------------------------------------------------------
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# A comment, not an event: keeps a stream (and whoever proxies it) alive during a long prefill.
+SSE_KEEPALIVE = b": keepalive\n\n"
+DONE = "[DONE]"
+
+
+def sse(data: dict | str) -> bytes:
+    """One event: a JSON object, or a raw payload such as ``[DONE]``."""
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+async def sse_events(content: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The data payloads of a server-sent event stream (line by line)."""
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").strip()
+        if line.startswith("data:"):
+            yield line[5:].strip()

@@ -1,5 +1,5 @@
 """Runs one step of a session through the active plan: embed, every span in
-order (local call or a Forward over that peer's link), then the head.
+order (local call or a ForwardBatch over that peer's link), then the head.
 
 The retry loop here is one of the three places errors are caught: a step that
 loses a peer waits for the next plan and replays the session's history through
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 import torch
 
+from meshd.control.runner import StageRunner
 from meshd.errors import NoCapacity, PeerLost, StageFailed
 from protocol.messages import Assignment, NodeId, Segment
 
@@ -28,20 +28,12 @@ PREFILL_CHUNK = 256
 MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
 
 
-class StageRunner(Protocol):
-    """What the pipeline needs from a place that runs a span: the local engine or a peer link."""
-
-    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor: ...
-
-    async def drop(self, term: int, session: str) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class ActivePlan:
     term: int
     assignments: tuple[Assignment, ...]
     # node id -> how to reach its span; the supernode's own span is a local runner.
-    runners: dict[NodeId, StageRunner]
+    runners: Mapping[NodeId, StageRunner]
 
 
 class Pipeline:
@@ -60,7 +52,16 @@ class Pipeline:
     def plan(self) -> ActivePlan | None:
         return self._plan
 
-    async def set_plan(self, plan: ActivePlan | None, reason: str = "") -> None:
+    async def serve(self, term: int, assignments: Sequence[Assignment], runners: Mapping[NodeId, StageRunner]
+                    ) -> None:
+        """Steps run under this plan from now on (a step that failed under an older one retries here)."""
+        await self._set(ActivePlan(term, tuple(assignments), runners))
+
+    async def suspend(self, reason: str) -> None:
+        """No plan: steps wait (bounded) for the next one, then fail with ``reason``."""
+        await self._set(None, reason)
+
+    async def _set(self, plan: ActivePlan | None, reason: str = "") -> None:
         async with self._changed:
             self._plan = plan
             if plan is None:

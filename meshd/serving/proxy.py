@@ -11,31 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
 from aiohttp import web
 
 from meshd.errors import NoCapacity
-from meshd.serving.openai import completion_id
-
-if TYPE_CHECKING:
-    from meshd.node import Node
+from meshd.serving.daemon import Upstream
+from meshd.serving.openai import (
+    DONE,
+    SSE_HEADERS,
+    choice_json,
+    completion_id,
+    completion_json,
+    error_json,
+    sse,
+    sse_events,
+)
 
 log = structlog.get_logger()
 
 MAX_RESUBMITS = 3
-
-
-async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """The data payloads of a server-sent event stream."""
-    async for raw in content:
-        line = raw.decode("utf-8", "replace").strip()
-        if line.startswith("data:"):
-            yield line[5:].strip()
 
 
 class _Answer:
@@ -64,20 +60,12 @@ class _Answer:
                 self.finish[i] = choice["finish_reason"]
 
     def whole(self, cid: str, chat: bool) -> dict:
-        choices = []
-        for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish)):
-            body = "".join(text)
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": body},
-                                "finish_reason": finish, "token_ids": ids})
-            else:
-                choices.append({"index": i, "text": body, "logprobs": None, "finish_reason": finish,
-                                "token_ids": ids})
-        return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model, "choices": choices, "usage": self.usage}
+        choices = [choice_json(chat, i, "".join(text), ids, finish)
+                   for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish))]
+        return completion_json(chat, cid, self.model, choices, self.usage)
 
 
-async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -> web.StreamResponse:
+async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool) -> web.StreamResponse:
     if not isinstance(body, dict):  # let the supernode word the error
         body = {"_invalid": body}
     wants_stream = body.get("stream") is True
@@ -104,13 +92,13 @@ async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -
                     payload = await up.read()
                     if resp is None:
                         return web.Response(body=payload, status=up.status, content_type="application/json")
-                    await _send(resp, payload.decode("utf-8", "replace"))
+                    await resp.write(sse(payload.decode("utf-8", "replace")))
                     break
                 async for data in sse_events(up.content):
-                    if data == "[DONE]":
+                    if data == DONE:
                         if wants_stream:
                             resp = await _prepared(resp, request)
-                            await _send(resp, "[DONE]")
+                            await resp.write(sse(DONE))
                             await resp.write_eof()
                             return resp
                         return web.json_response(answer.whole(cid, chat))
@@ -120,7 +108,7 @@ async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -
                         answer.add(event, chat)
                     if wants_stream and (event.get("choices") or wants_usage or "error" in event):
                         resp = await _prepared(resp, request)
-                        await _send(resp, json.dumps(event))
+                        await resp.write(sse(event))
             raise aiohttp.ClientPayloadError("the supernode ended the stream without [DONE]")
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             # The supernode went away mid-answer. One choice can be resumed from
@@ -131,24 +119,19 @@ async def proxy_completion(node: Node, request: web.Request, body, chat: bool) -
                 log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits)
                 if resp is None:
                     raise NoCapacity(f"lost the supernode mid-request: {exc}") from None
-                await _send(resp, json.dumps({"error": {"message": f"lost the supernode: {exc}",
-                                                        "type": "server_error", "code": "mesh_unavailable"}}))
+                await resp.write(sse(error_json(f"lost the supernode: {exc}", 503)))
                 break
             log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.ids[0]), attempt=resubmits)
             await node.wait_new_term(term)
     resp = await _prepared(resp, request)
-    await _send(resp, "[DONE]")
+    await resp.write(sse(DONE))
     await resp.write_eof()
     return resp
 
 
 async def _prepared(resp: web.StreamResponse | None, request: web.Request) -> web.StreamResponse:
     if resp is None:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
     return resp
-
-
-async def _send(resp: web.StreamResponse, data: str) -> None:
-    await resp.write(b"data: " + data.encode() + b"\n\n")
 

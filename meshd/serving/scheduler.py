@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -88,10 +88,12 @@ class Lane:
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None):
+    def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None,
+                 on_finished: Callable[[], None] | None = None):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.kv_budget_tokens = kv_budget_tokens
+        self.on_finished = on_finished  # after each generation ends (a drain waits for none to be left)
         self.active: dict[str, Session] = {}
         self.lanes = [Lane(i) for i in range(MAX_LANES)]
         self.reserved_tokens = 0
@@ -233,6 +235,8 @@ class Scheduler:
             self._finish(session, None)
             self.active.pop(session.id, None)
             self.reserved_tokens -= session.reserved
+            if self.on_finished is not None:
+                self.on_finished()
             if usage is not None:
                 usage.prompt_tokens += len(prompt_ids)
                 usage.completion_tokens += delivered

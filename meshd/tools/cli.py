@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -176,12 +175,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     shown["secret"] = f"<{'set' if config.secret_path.exists() else 'unset'}, in {config.secret_path}>"
     print(json.dumps(shown, indent=2))
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

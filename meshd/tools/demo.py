@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,11 +21,16 @@ import urllib.request
 from pathlib import Path
 
 from meshd.config import build_config
-from meshd.tools.cli import free_port
 from meshd.tools.meshctl import format_status, get_json
 from shards.manifest import Manifest
 
 READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_serving(urls: list[str], n: int, procs: list[subprocess.Popen], deadline: float) -> dict:

@@ -1,0 +1,58 @@
+"""Where a span runs, as the supernode's pipeline sees it: a peer's link, or this
+peer's own engine behind the same interface."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from meshd.errors import ModelError, PeerLost
+from protocol.messages import Segment
+from shards.engine import StageEngine
+
+Forwarded = Callable[[int, float], None]  # (rows, seconds) of one call through this peer's span
+
+
+class StageRunner(Protocol):
+    """What the pipeline needs from a place that runs a span: ``LocalRunner`` or a ``Link``."""
+
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor: ...
+
+    async def drop(self, term: int, session: str) -> None: ...
+
+
+async def run_span(engine: StageEngine, segments: list[Segment], hidden: torch.Tensor, *,
+                   delay_ms: float = 0.0, forwarded: Forwarded | None = None) -> torch.Tensor:
+    """``hidden`` through this peer's span; ``delay_ms`` per layer simulates a slow box."""
+    if delay_ms and engine.span is not None:
+        await asyncio.sleep(delay_ms * len(engine.span) / 1000.0)
+    began = time.monotonic()
+    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments],
+                                     hidden.to(engine.device, engine.dtype))
+    if forwarded is not None:
+        forwarded(hidden.shape[0], time.monotonic() - began)
+    return out
+
+
+class LocalRunner:
+    """The supernode's own span, behind the same interface as a peer link."""
+
+    def __init__(self, engine: StageEngine, *, delay_ms: float = 0.0, forwarded: Forwarded | None = None):
+        self.engine = engine
+        self.delay_ms = delay_ms
+        self.forwarded = forwarded
+
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        try:
+            return await run_span(self.engine, segments, hidden, delay_ms=self.delay_ms, forwarded=self.forwarded)
+        except ModelError:
+            if self.engine.closed:  # a new plan replaced our span mid-step: retry under it
+                raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
+            raise
+
+    async def drop(self, term: int, session: str) -> None:
+        self.engine.drop(session)

@@ -1,0 +1,188 @@
+"""This peer's model store: the model's directory and manifest, the engine loaded
+for this peer's part of the plan, and the shard files fetched from peers, for a
+span when a plan needs them, or all of them in the background (replication), so
+that any survivor can later lead or take a lost span."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from meshd.config import Config
+from meshd.control.links import peer_url
+from meshd.control.mesh import MeshView
+from meshd.control.transfer import fetch_files, fetch_manifest, missing_files, serve_file
+from meshd.errors import KNOWN_ERRORS, ShardMissing
+from protocol.messages import NodeId
+from shards.engine import StageEngine
+from shards.manifest import MANIFEST_FILE, Manifest
+from shards.span import Span
+
+log = structlog.get_logger()
+
+EngineKey = tuple[str, Span | None, bool, bool]  # (manifest digest, span, embed, head)
+
+
+def local_model(config: Config) -> tuple[Path | None, Manifest | None]:
+    """The configured model: a directory, or a name in the state dir; its manifest if complete."""
+    model = config.model
+    path = Path(model).expanduser()
+    if not (path.is_absolute() or model.startswith(".") or "/" in model):
+        path = config.state_dir / "models" / model
+    if (path / MANIFEST_FILE).is_file():
+        return path, Manifest.load(path)
+    return path if path.is_absolute() or "/" in model else None, None
+
+
+class ModelStore:
+    def __init__(self, config: Config, view: MeshView, secret: bytes, http: Callable[[], aiohttp.ClientSession],
+                 model: tuple[Path | None, Manifest | None] | None = None):
+        self.config = config
+        self.view = view
+        self._secret = secret
+        self._http = http  # the node's client session, which exists once the node runs
+        self.model_dir, self.manifest = model if model is not None else local_model(config)
+        self.engine: StageEngine | None = None  # the engine of the active plan's part
+        self._keys: weakref.WeakKeyDictionary[StageEngine, EngineKey] = weakref.WeakKeyDictionary()
+        self.replicating = False
+
+    @property
+    def model_name(self) -> str:
+        if self.manifest is not None:
+            return self.manifest.name
+        return Path(self.config.model).name
+
+    def _adopt(self, model_dir: Path, manifest: Manifest) -> None:
+        self.model_dir, self.manifest = model_dir, manifest
+
+    # -- the model and the engine ------------------------------------------------------
+
+    async def prepare(self, name: str, sources: Iterable[NodeId], digest: str | None = None) -> tuple[Manifest, Path]:
+        """The manifest and directory of model ``name`` (with ``digest`` if given):
+        this peer's own copy, else one fetched earlier, else the manifest fetched
+        from a source peer (the shard files follow per span in ``load``)."""
+        def fits(m: Manifest | None) -> bool:
+            return m is not None and m.name == name and (digest is None or m.digest == digest)
+
+        if fits(self.manifest):
+            return self.manifest, self.model_dir
+        store = self.config.state_dir / "models" / name
+        if (store / MANIFEST_FILE).is_file():
+            m = Manifest.load(store)
+            if fits(m):
+                self._adopt(store, m)
+                return m, store
+        for pid, base in self._urls(sources):
+            try:
+                m = await fetch_manifest(self._http(), base, self._secret, self.view.node_id, name)
+            except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
+                log.warning("manifest_fetch_failed", source=pid, error=str(exc))
+                continue
+            if not fits(m):
+                continue
+            store.mkdir(parents=True, exist_ok=True)
+            (store / MANIFEST_FILE).write_bytes(m.to_bytes())
+            self._adopt(store, m)
+            log.info("manifest_fetched", model=name, source=pid)
+            return m, store
+        raise ShardMissing(f"model {name!r} is not here and no peer offered it (run `meshd model fetch {name}`)")
+
+    async def load(self, manifest: Manifest, model_dir: Path, span: Span | None, *, embed: bool, head: bool,
+                   sources: Iterable[NodeId] = ()) -> StageEngine:
+        """An engine for these parts: the one in use if it already is, else loaded
+        (after fetching exactly the missing shard files) on a worker thread."""
+        key = (manifest.digest, span, embed, head)
+        if self.engine is not None and self._keys.get(self.engine) == key:
+            return self.engine
+        names = manifest.files_for(span, embed or head)
+        if missing := missing_files(model_dir, manifest, names):
+            await self._fetch(manifest, model_dir, missing, sources)
+        engine = await asyncio.to_thread(
+            StageEngine.load, model_dir, span, embed, head, self.config.device, self.config.dtype
+        )
+        self._keys[engine] = key
+        return engine
+
+    def use(self, engine: StageEngine | None) -> None:
+        """Make ``engine`` the one in use (an active plan's part); the one it replaces is closed."""
+        if engine is not self.engine:
+            old, self.engine = self.engine, engine
+            if old is not None:
+                old.close()
+
+    def discard(self, engine: StageEngine | None) -> None:
+        """An engine loaded for a plan that never became active."""
+        if engine is not None and engine is not self.engine:
+            engine.close()
+
+    def close(self) -> None:
+        self.use(None)
+
+    # -- files ---------------------------------------------------------------------------
+
+    def serve_file(self, model: str, name: str) -> web.FileResponse:
+        return serve_file(self.model_dir, self.manifest, model, name)
+
+    def has_whole_model(self) -> bool:
+        m = self.manifest
+        return m is not None and self.model_dir is not None and not missing_files(self.model_dir, m, list(m.files))
+
+    def sources(self) -> tuple[NodeId, ...]:
+        """Peers that hold the whole model, this one first."""
+        name = self.model_name
+        out = [self.view.node_id] if self.has_whole_model() else []
+        out += [pid for pid, link in self.view.live_links().items() if name in link.caps.models]
+        return tuple(out)
+
+    def _urls(self, peers: Iterable[NodeId]) -> list[tuple[NodeId, str]]:
+        out = []
+        for pid in peers:
+            link = self.view.links.get(pid)
+            if pid != self.view.node_id and link is not None and link.alive:
+                out.append((pid, peer_url(self.config.scheme, link)))
+        return out
+
+    async def _fetch(self, manifest: Manifest, model_dir: Path, names: list[str], sources: Iterable[NodeId]) -> None:
+        """Fetch ``names``: from the plan's sources first, then from any peer, each
+        taking what the last could not give (after a loss, the files may be spread)."""
+        errors = []
+        sources = list(sources)
+        others = [pid for pid in self.view.links if pid not in sources]
+        for pid, base in self._urls(sources + others):
+            names = missing_files(model_dir, manifest, names)
+            if not names:
+                return
+            log.info("shard_fetch_started", source=pid, files=len(names),
+                     bytes=sum(manifest.files[n].size for n in names))
+            try:
+                await fetch_files(self._http(), base, self._secret, self.view.node_id, manifest, names, model_dir)
+                return
+            except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
+                errors.append(f"{pid}: {exc}")
+                log.warning("shard_fetch_failed", source=pid, error=str(exc))
+        if missing_files(model_dir, manifest, names):
+            raise ShardMissing(f"could not fetch {len(names)} shard files: " + ("; ".join(errors) or "no peer has them"))
+
+    async def replicate(self) -> None:
+        """Fetch, in the background, the files of the model this peer lacks, so the
+        mesh survives the loss of the only peer that held some of them."""
+        m, model_dir = self.manifest, self.model_dir
+        if not self.config.replicate or m is None or model_dir is None or self.replicating:
+            return
+        names = missing_files(model_dir, m, list(m.files))
+        if not names:
+            return
+        self.replicating = True
+        try:
+            await self._fetch(m, model_dir, names, ())
+            log.info("model_replicated", model=m.name, files=len(names))
+        except (*KNOWN_ERRORS, OSError) as exc:
+            log.warning("replicate_failed", error=str(exc))
+        finally:
+            self.replicating = False
