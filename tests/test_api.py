@@ -1,4 +1,7 @@
-"""The HTTP API of a single-node meshd, through a real in-process server on loopback.
+"""The HTTP API of a single-node meshd, through a real in-process server on loopback:
+completions and chat, streamed and whole, n, seeds, stop strings, max_tokens, the models,
+health and status endpoints, and sessions freed when a client goes. (What it refuses,
+and how, is tests/test_api_validation.py.)
 
 Single-node output is the reference of the whole project, so greedy answers are checked
 token for token against ``shards.engine.generate_greedy`` run directly on the same model
@@ -9,35 +12,25 @@ one test of its own.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import sys
 import time
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from shards.engine import StageEngine, generate_greedy
 from shards.manifest import Manifest
 from shards.span import Span
 from shards.tokenizer import MeshTokenizer
+from tests.fixtures.api import PROMPT, assert_still_serves, complete, greedy, sse_events
 from tests.fixtures.daemon import running_node
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# Prompts whose greedy continuation on the tiny model runs long before any end-of-turn.
-PROMPT = "A mesh of small machines"
 PROMPTS = [PROMPT, "Hello, world!", "Numbers 0123", "Café"]
 
 
 # -- fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def client():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")
@@ -66,39 +59,6 @@ async def greedy_reference(engine: StageEngine, eos: frozenset[int], prompt_ids:
         if t in eos:
             return tokens[:i], "stop"
     return tokens, "length"
-
-
-async def post(client: aiohttp.ClientSession, url: str, body, *, raw: bytes | None = None,
-               path: str = "/v1/completions") -> tuple[int, dict]:
-    kwargs = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
-    async with client.post(url + path, **kwargs) as resp:
-        assert resp.content_type == "application/json", (resp.status, await resp.text())
-        return resp.status, await resp.json()
-
-
-async def complete(client, url, body, path="/v1/completions") -> dict:
-    status, data = await post(client, url, body, path=path)
-    assert status == 200, data
-    return data
-
-
-async def sse_events(client, url, body, path="/v1/completions") -> list:
-    """Every SSE ``data:`` payload of a streamed request, JSON-decoded except ``[DONE]``."""
-    events = []
-    async with client.post(url + path, json=body | {"stream": True}) as resp:
-        assert resp.status == 200, await resp.text()
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        raw = (await resp.read()).decode()
-    assert raw.endswith("\n\n"), raw[-200:]
-    for block in raw.split("\n\n")[:-1]:
-        assert block.startswith("data: "), block
-        payload = block.removeprefix("data: ")
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
-def greedy(prompt: str = PROMPT, max_tokens: int = 24, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0} | extra
 
 
 # -- completions ---------------------------------------------------------------------------
@@ -319,108 +279,6 @@ async def test_end_of_turn_finishes_with_stop(tiny_node, client, tokenizer, refe
     assert "<|im_end|>" not in choice["text"]
 
 
-# -- bad input ----------------------------------------------------------------------------
-
-
-BAD_COMPLETIONS = [
-    pytest.param({"max_tokens": 4}, 400, "prompt", id="missing-prompt"),
-    pytest.param({"prompt": "", "max_tokens": 4}, 400, "prompt", id="empty-prompt"),
-    pytest.param({"prompt": 42}, 400, "prompt", id="prompt-not-string"),
-    pytest.param({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", id="max-tokens-0"),
-    pytest.param({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", id="max-tokens-negative"),
-    pytest.param({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens", id="max-tokens-huge"),
-    pytest.param({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", id="max-tokens-beyond-context"),
-    pytest.param({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", id="max-tokens-float"),
-    pytest.param({"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", id="max-tokens-string"),
-    pytest.param({"prompt": "hi", "max_tokens": True}, 400, "max_tokens", id="max-tokens-bool"),
-    pytest.param({"prompt": "hi", "temperature": 5}, 400, "temperature", id="temperature-5"),
-    pytest.param({"prompt": "hi", "temperature": -0.1}, 400, "temperature", id="temperature-negative"),
-    pytest.param({"prompt": "hi", "top_p": 0}, 400, "top_p", id="top-p-0"),
-    pytest.param({"prompt": "hi", "n": 0}, 400, "n", id="n-0"),
-    pytest.param({"prompt": "hi", "n": 100}, 400, "n", id="n-100"),
-    pytest.param({"prompt": "hi", "seed": "x"}, 400, "seed", id="seed-string"),
-    pytest.param({"prompt": "hi", "stop": 3}, 400, "stop", id="stop-not-string"),
-    pytest.param({"prompt": "hi", "stop": [""]}, 400, "stop", id="stop-empty"),
-    pytest.param({"prompt": "hi", "stream": "yes"}, 400, "stream", id="stream-not-bool"),
-    pytest.param({"prompt": "hi", "model": "gpt-4"}, 404, "model", id="unknown-model"),
-]
-
-
-async def assert_still_serves(client, url) -> None:
-    data = await complete(client, url, greedy(max_tokens=3))
-    assert len(data["choices"][0]["token_ids"]) == 3
-
-
-def assert_error_body(data: dict, param: str | None = None) -> None:
-    assert isinstance(data.get("error"), dict), data
-    assert isinstance(data["error"]["message"], str) and data["error"]["message"]
-    if param is not None:
-        assert data["error"]["param"] == param
-
-
-@pytest.mark.parametrize("body,status,param", BAD_COMPLETIONS)
-async def test_bad_completion_is_a_4xx_json_error(tiny_node, client, body, status, param):
-    got, data = await post(client, tiny_node.url, body)
-    assert got == status, data
-    assert_error_body(data, param)
-    await assert_still_serves(client, tiny_node.url)
-
-
-@pytest.mark.parametrize("body,param", [
-    pytest.param({"max_tokens": 4}, "messages", id="messages-missing"),
-    pytest.param({"messages": []}, "messages", id="messages-empty"),
-    pytest.param({"messages": "hello"}, "messages", id="messages-not-list"),
-    pytest.param({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", id="bad-role"),
-    pytest.param({"messages": [{"content": "hi"}]}, "messages", id="no-role"),
-    pytest.param({"messages": [{"role": "user", "content": 7}]}, "messages", id="content-not-string"),
-    pytest.param({"messages": ["hi"]}, "messages", id="message-not-object"),
-])
-async def test_bad_chat_is_a_400_json_error(tiny_node, client, body, param):
-    got, data = await post(client, tiny_node.url, body, path="/v1/chat/completions")
-    assert got == 400, data
-    assert_error_body(data, param)
-    await assert_still_serves(client, tiny_node.url)
-
-
-@pytest.mark.parametrize("raw", [
-    pytest.param(b'{"prompt": "hi", ', id="truncated"),
-    pytest.param(b"not json at all", id="not-json"),
-    pytest.param(b"\xff\xfe\x00garbage", id="not-utf8"),
-    pytest.param(b"", id="empty"),
-    pytest.param(b'["prompt", "hi"]', id="array"),
-    pytest.param(b'"just a string"', id="string"),
-    pytest.param(b"null", id="null"),
-])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_malformed_body_is_a_400(tiny_node, client, raw, path):
-    got, data = await post(client, tiny_node.url, None, raw=raw, path=path)
-    assert got == 400, data
-    assert_error_body(data)
-    await assert_still_serves(client, tiny_node.url)
-
-
-async def test_ten_megabyte_body_is_a_413(tiny_node, client):
-    body = json.dumps({"prompt": "x" * (10 * 1024 * 1024)}).encode()
-    got, data = await post(client, tiny_node.url, None, raw=body)
-    assert got == 413, data
-    assert_error_body(data)
-    await assert_still_serves(client, tiny_node.url)
-
-
-@pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("POST", "/v2/completions"), ("GET", "/nope")])
-async def test_unknown_path_is_a_404(tiny_node, client, method, path):
-    async with client.request(method, tiny_node.url + path) as resp:
-        assert resp.status == 404
-        assert_error_body(await resp.json())
-    await assert_still_serves(client, tiny_node.url)
-
-
-async def test_wrong_method_is_a_405(tiny_node, client):
-    async with client.get(tiny_node.url + "/v1/completions") as resp:
-        assert resp.status == 405
-        assert_error_body(await resp.json())
-
-
 # -- models, health, status ---------------------------------------------------------------
 
 
@@ -466,39 +324,6 @@ async def test_status_shape_for_one_node(tiny_node, client, n_layers, tiny_model
     assert peer["layers"] == [0, n_layers]
     assert peer["state"] == "ready"
     assert isinstance(peer["rtt_ms"], (int, float))
-
-
-async def test_node_without_its_model_answers_503_and_says_why(tmp_path):
-    """A daemon pointed at a model it does not have: up, but not serving, and it says so
-    everywhere a user looks (healthz, status, completions, meshctl)."""
-    missing = tmp_path / "no-such-model"
-    async with running_node(missing, tmp_path / "state", ready=False) as served:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            async def status() -> dict:
-                async with http.get(served.url + "/status") as resp:
-                    assert resp.status == 200
-                    return await resp.json()
-
-            deadline = time.monotonic() + 20
-            while "no model" not in str((st := await status())["reason"]) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert st["serving"] is False
-            assert "no model" in st["reason"]
-            assert st["plan"] == []
-            async with http.get(served.url + "/healthz") as resp:
-                assert resp.status == 503
-                assert (await resp.json())["ok"] is False
-            for stream in (False, True):
-                got, data = await post(http, served.url, {"prompt": "hi", "stream": stream})
-                assert got == 503, data
-                assert_error_body(data)
-                assert "no model" in data["error"]["message"]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "meshd.tools.meshctl", "status", "--url", served.url,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 1, err
-        assert b"NOT serving" in out
 
 
 # -- sessions and concurrency -------------------------------------------------------------

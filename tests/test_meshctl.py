@@ -1,27 +1,35 @@
-"""``meshctl status`` and the ``meshd run`` daemon, as a user runs them: real processes on loopback."""
+"""``meshctl``, every command, as a user runs it against real ``meshd run`` processes:
+against one daemon on loopback, against a two-daemon mesh linked by ``--peer`` (the
+table's columns, the streamed text, the exit codes a script branches on), and
+against a peer in a namespace that cannot serve."""
 
 from __future__ import annotations
 
 import json
 import re
-import signal
+import secrets
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from shards.engine import StageEngine, generate_greedy
 from shards.manifest import Manifest
-from shards.span import Span
-from shards.tokenizer import MeshTokenizer
-from tests.fixtures.daemon import free_port, http_get, running_daemon, status_json, stop_daemon
+from tests.fixtures.daemon import (
+    daemon_env,
+    free_port,
+    http_get,
+    running_daemon,
+    start_daemon,
+    status_json,
+    stop_daemon,
+)
+from tests.fixtures.mesh import GiB
 
 
-def meshctl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+def meshctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=daemon_env())
 
 
 def table_rows(stdout: str) -> list[dict[str, str]]:
@@ -38,6 +46,9 @@ def table_rows(stdout: str) -> list[dict[str, str]]:
         assert len(cells) == len(titles), (titles, cells)
         rows.append(dict(zip(titles, cells)))
     return rows
+
+
+# -- one daemon ---------------------------------------------------------------------------
 
 
 def test_meshctl_status_table(tiny_daemon, tiny_model_dir):
@@ -103,39 +114,208 @@ def test_meshctl_against_something_not_meshd_is_not_a_traceback(tiny_daemon):
     assert "Traceback" not in out.stderr
 
 
-def test_daemon_completion_equals_direct_greedy(tiny_daemon, tiny_model_dir):
-    """The real ``meshd run`` serves the same greedy tokens as the engine run directly."""
-    tok = MeshTokenizer.load(tiny_model_dir)
-    prompt = "A mesh of small machines"
-    engine = StageEngine.load(tiny_model_dir, Span(0, Manifest.load(tiny_model_dir).n_layers), True, True,
-                              "cpu", "float32")
-    try:
-        want = engine.run_sync(lambda: generate_greedy(engine, tok.encode(prompt), 20))
-    finally:
-        engine.close()
-    req = urllib.request.Request(
-        tiny_daemon.url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-        data=json.dumps({"prompt": prompt, "max_tokens": 20, "temperature": 0}).encode(),
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        data = json.loads(resp.read())
-    assert data["choices"][0]["token_ids"] == want
-    assert data["choices"][0]["text"] == tok.decode(want)
+# -- a two-daemon mesh --------------------------------------------------------------------
+
+# A few ms per layer on both peers, so that splitting the layers pays (and a
+# generation lasts long enough to see it stream).
+DELAY = ("--debug-layer-delay-ms", "3")
 
 
-def test_daemon_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
-    """SIGTERM: the daemon stops serving and exits 0 well within its drain timeout."""
-    with running_daemon(tiny_model_dir, tmp_path / "state", tmp_path / "meshd.log") as served:
-        assert http_get(served.url + "/healthz")[0] == 200
-        served.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
+def table(text: str) -> list[dict[str, str]]:
+    """The rows of meshctl's table, cut at the header's column starts (cells hold spaces)."""
+    lines = text.splitlines()
+    h = next(i for i, line in enumerate(lines) if line.startswith("PEER"))
+    starts = [m.start() for m in re.finditer(r"\S+", lines[h])]
+    names = lines[h].split()
+    rows = []
+    for line in lines[h + 1:]:
+        if not line.strip():
+            break
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [None])]
+        rows.append(dict(zip(names, cells)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model_dir, tmp_path_factory):
+    """Two daemons: ``alpha`` (more VRAM: the supernode) and ``beta``, which dials it."""
+    base = tmp_path_factory.mktemp("meshctl")
+    secret = base / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    common = ("--secret-file", str(secret), *DELAY)
+    with running_daemon(tiny_model_dir, base / "a", base / "alpha.log", "--name", "alpha",
+                        "--advertise-vram", str(8 * GiB), *common) as a:
+        b = start_daemon(tiny_model_dir, base / "b", base / "beta.log", "--name", "beta",
+                         "--advertise-vram", str(4 * GiB), "--peer", a.url.removeprefix("http://"), *common)
         try:
-            rc = served.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"meshd did not exit 15 s after SIGTERM; log:\n{served.log_tail()}")
-        assert rc == 0, served.log_tail()
-        assert time.monotonic() - t0 < 15
-        with pytest.raises(OSError):
-            http_get(served.url + "/healthz", timeout=2)
-        assert "node_stopped" in served.log_tail()
-    assert stop_daemon(served.proc) == 0
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # both in the plan, and beta's RTT measured
+                view = json.loads(http_get(a.url + "/status")[1])
+                if len(view["plan"]) == 2 and all(p["rtt_ms"] is not None for p in view["peers"]):
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"no two-stage plan: {view}\n{a.log_tail()}\n{b.log_tail()}")
+            yield a, b
+        finally:
+            stop_daemon(b.proc)
+
+
+def ids(a, b) -> tuple[str, str]:
+    return (json.loads(http_get(a.url + "/status")[1])["node"]["id"],
+            json.loads(http_get(b.url + "/status")[1])["node"]["id"])
+
+
+def test_status_table_reads_right_from_either_peer(mesh, tiny_model_dir):
+    a, b = mesh
+    a_id, b_id = ids(a, b)
+    assert meshctl("generate", "--url", a.url, "Warm up", "--max-tokens", "8").returncode == 0  # for tokens/s
+    for url in (a.url, b.url):
+        out = meshctl("status", "--url", url)
+        assert out.returncode == 0, out.stderr
+        head = out.stdout.splitlines()[0]
+        assert f"supernode {a_id}" in head and "serving" in head and "NOT" not in head, head
+        rows = {r["PEER"].split()[0]: r for r in table(out.stdout)}
+        assert set(rows) == {a_id, b_id}, out.stdout
+        me = a_id if url == a.url else b_id
+        assert rows[me]["PEER"].endswith("*")  # the peer asked is marked
+        alpha, beta = rows[a_id], rows[b_id]
+        assert (alpha["NAME"], alpha["ROLE"], alpha["STATE"]) == ("alpha", "supernode", "ready"), alpha
+        assert (beta["NAME"], beta["ROLE"], beta["STATE"]) == ("beta", "stage", "ready"), beta
+        assert alpha["DEVICE"] == beta["DEVICE"] == "cpu"
+        # RAM in use of total for both, the other peer's asked of it directly.
+        for r in (alpha, beta):
+            assert re.fullmatch(r"\d+\.\d (MiB|GiB)/\d+\.\d GiB", r["RAM"]), r
+            assert r["VRAM"].endswith("GiB")  # advertised, none in use on a CPU peer
+            assert re.fullmatch(r"\d+\.\d", r["TOK/S"]), r
+        assert float(alpha["TOK/S"]) > 0  # the warm-up's tokens within the last 10 s
+        spans = sorted(tuple(map(int, r["LAYERS"].split("-"))) for r in (alpha, beta))
+        assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == 6, spans
+        other = b_id if url == a.url else a_id
+        assert re.fullmatch(r"\d+\.\d\d ms", rows[other]["RTT"]), rows[other]
+        assert f"{a_id}[" in out.stdout and f"{b_id}[" in out.stdout  # the plan line
+
+
+def test_status_json_and_watch(mesh):
+    a, _ = mesh
+    out = meshctl("status", "--url", a.url, "--json")
+    assert out.returncode == 0
+    shown = json.loads(out.stdout)
+    assert shown["supernode"] and len(shown["peers"]) == 2 and shown["serving"] is True
+    out = meshctl("status", "--url", a.url, "--watch", "0.3", "--count", "3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("\nPEER ") == 3 and out.stdout.count("every 0.3 s") == 3
+
+
+def test_plan_and_peers(mesh):
+    a, b = mesh
+    a_id, b_id = ids(a, b)
+    out = meshctl("--url", b.url, "plan")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("term ") and f"supernode {a_id}" in out.stdout.splitlines()[0]
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:4]}
+    assert set(lines) == {a_id, b_id}, out.stdout
+    assert sum(int(row[3]) for row in lines.values()) == 6
+    assert "terms" in out.stdout
+    plan = json.loads(meshctl("--url", b.url, "plan", "--json").stdout)
+    assert [p["node"] for p in plan["plan"]] and plan["term"] >= 1
+
+    out = meshctl("--url", a.url, "peers")
+    assert out.returncode == 0
+    rows = table(out.stdout)
+    assert {r["NAME"] for r in rows} == {"alpha", "beta"} and {r["STATE"] for r in rows} == {"ready"}
+
+
+def test_generate_streams_the_completion(mesh):
+    a, b = mesh
+    body = json.dumps({"prompt": "Stream me", "max_tokens": 24, "temperature": 0}).encode()
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(b.url + "/v1/completions", body,
+                                                       {"Content-Type": "application/json"}), timeout=60) as r:
+        want = json.loads(r.read())["choices"][0]["text"]
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.tools.meshctl", "--url", b.url, "generate", "Stream me",
+                             "--max-tokens", "24"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=daemon_env())
+    try:
+        chunks, times = [], []
+        while True:
+            piece = proc.stdout.read1(4096)
+            if not piece:
+                break
+            chunks.append(piece)
+            times.append(time.monotonic())
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stderr.read()
+    got = b"".join(chunks).decode()
+    assert got == want + "\n"
+    if len(want) > 4:  # text came in pieces as tokens were made, not all at the end
+        assert len(chunks) > 1 and times[-1] - times[0] > 0.02, (len(chunks), times)
+
+
+def test_drain_moves_a_peer_off_the_plan(mesh):
+    a, b = mesh
+    a_id, b_id = ids(a, b)
+    out = meshctl("--url", b.url, "drain", a_id)
+    assert out.returncode == 1 and "refused (HTTP 409)" in out.stderr, out.stderr  # not the supernode
+    out = meshctl("--url", b.url, "drain", "no-such-peer")
+    assert out.returncode == 1 and "HTTP 404" in out.stderr
+    out = meshctl("--url", b.url, "drain", "beta")  # by name, through the peer being drained
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"drained {b_id}: term ") and f"{a_id}[0:6)" in out.stdout
+    rows = {r["NAME"]: r for r in table(meshctl("status", "--url", a.url).stdout)}
+    assert rows["beta"]["STATE"] == "drained" and rows["beta"]["LAYERS"] == "-"
+    assert rows["alpha"]["LAYERS"] == "0-6"
+
+
+def test_exit_codes_when_nobody_answers_or_the_mesh_cannot_serve(tiny_model_dir, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    for args in (["status"], ["plan"], ["peers"], ["drain", "x"], ["generate", "hi"]):
+        out = meshctl("--url", dead, *args)
+        assert out.returncode == 2 and "no answer from" in out.stderr, (args, out.stderr)
+    assert meshctl("frobnicate").returncode == 64
+    assert meshctl("status", "--no-such-flag").returncode == 64
+
+    # A daemon whose model is nowhere: it answers, but cannot serve.
+    port = free_port()
+    log = open(tmp_path / "nomodel.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1",
+                             "--port", str(port), "--state-dir", str(tmp_path / "s"), "--model", "no-such-model",
+                             "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
+                            env=daemon_env() | {"MESHD_FAILOVER_WAIT_S": "1"})  # a 503 without waiting 30 s
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if http_get(url + "/status", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        out = meshctl("status", "--url", url)
+        assert out.returncode == 1 and "NOT serving" in out.stdout, out.stdout + out.stderr
+        assert meshctl("plan", "--url", url).returncode == 1
+        out = meshctl("generate", "--url", url, "hi")
+        assert out.returncode == 1 and "HTTP 503" in out.stderr, out.stderr
+    finally:
+        stop_daemon(proc)
+        log.close()
+
+
+# -- a peer in a namespace that cannot serve ---------------------------------------------
+
+
+@pytest.mark.netns
+def test_meshctl_fails_on_a_peer_that_cannot_serve(meshlab, tiny_model_dir):
+    """meshctl's exit code means something: a lone peer without the model answers but cannot serve."""
+    host = meshlab.lab.add_host()
+    lone = meshlab.start(host, model="no-such-model", vram=GiB)
+    meshlab.wait_up([lone])
+    res = meshctl("status", "--url", lone.url)
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert "NOT serving" in res.stdout

@@ -172,6 +172,17 @@ def test_missing_fields_with_defaults_take_them():
     assert decode(pack(f)).caps == dataclasses.replace(CAPS, models=())
 
 
+def test_a_reject_without_a_code_or_with_an_unknown_one_reads_as_other():
+    """An older peer sends no code; a newer one may send a code this peer does not know.
+    Either way it is a plain Reject (the supernode leaves that peer out), never a
+    protocol error that would close the link."""
+    f = frame(SAMPLES[7])
+    del f["code"], f["held_term"]
+    assert decode(pack(f)) == Reject(term=3, reason=SAMPLES[7].reason, capacity=1024)
+    f["code"] = 99
+    assert decode(pack(f)).code is RejectCode.OTHER
+
+
 def test_an_int_is_accepted_as_a_float():
     f = frame(Ping(1, 2.0))
     f["sent"] = 2

@@ -1,9 +1,24 @@
 """Hostile input: whatever bytes arrive, decode returns a Message or raises
-ProtocolError, never anything else, and never takes long."""
+ProtocolError, never anything else, and never takes long.
+
+Hypothesis mutates frames in-process; atheris (when installed) fuzzes
+``protocol.codec.decode`` coverage-guided for a bounded time in a child process: any
+exception but ProtocolError, a hang (per-input timeout) or memory over the RSS limit
+fails it.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +32,7 @@ FUZZ = settings(
     max_examples=3000, deadline=200, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 FRAMES = [encode(m) for m in SAMPLES]
+ATHERIS_SECONDS = 15
 
 # Values a mutated field may take: every msgpack type, nested a little.
 wire_values = st.recursive(
@@ -83,3 +99,57 @@ def test_field_level_mutations(data, draw):
         except (KeyError, IndexError, TypeError):
             continue  # an earlier mutation replaced a parent of this path
     decodes_or_refuses(msgpack.packb(frame, use_bin_type=True))
+
+
+# -- atheris ------------------------------------------------------------------------------
+
+ATHERIS_TARGET = textwrap.dedent("""
+    import sys
+    import atheris
+
+    # Only our codec is instrumented (torch and msgpack are imported first, plain).
+    import msgpack, torch
+    from meshd.errors import ProtocolError
+    import shards.span
+    with atheris.instrument_imports(include=["protocol"]):
+        from protocol import codec
+        from protocol.messages import MESSAGE_TYPES
+
+    def one(data):
+        try:
+            msg = codec.decode(data, max_size=1 << 20)
+        except ProtocolError:
+            return
+        assert isinstance(msg, MESSAGE_TYPES), type(msg)
+        codec.encode(msg)  # whatever decodes, encodes
+
+    atheris.Setup(sys.argv, one)
+    atheris.Fuzz()
+""")
+
+
+@pytest.mark.timeout(120)
+def test_atheris_decode(tmp_path):
+    if importlib.util.find_spec("atheris") is None:
+        pytest.skip("atheris is not installed (pip install atheris)")
+    from tests.test_protocol import SAMPLES
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, msg in enumerate(SAMPLES):
+        (corpus / f"seed-{i}").write_bytes(encode(msg))
+    script = tmp_path / "fuzz_decode.py"
+    script.write_text(ATHERIS_TARGET)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(script), f"-max_total_time={ATHERIS_SECONDS}", "-timeout=2", "-rss_limit_mb=2048",
+         "-max_len=4096", "-print_final_stats=1", str(corpus)],
+        capture_output=True, text=True, timeout=ATHERIS_SECONDS + 60, cwd=root,
+        env=os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    runs = re.search(r"Done (\d+) runs in (\d+) second", out)
+    assert runs, out[-2000:]
+    print(f"\natheris: {runs.group(1)} inputs in {runs.group(2)} s, no crash, hang or leak")
+    assert int(runs.group(1)) > 1000

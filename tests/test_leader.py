@@ -1,0 +1,172 @@
+"""The leader, in process: the election loop and the supernode's negotiation, with its
+real model store on the tiny model (it loads its own part), a pipeline that records
+the plans it is given, and its peers as stand-in links that answer each Plan the way a
+peer would: Accept, or Reject with a code.
+
+What is asserted is what the mesh would show: the plan that becomes active covers every
+layer; a peer whose view lags is asked again, a peer at a higher term makes the next plan
+go above it, a peer that cannot load is left out; losing an idle peer changes nothing,
+losing a stage re-plans at once; a drain ends with a plan without the peer; a mesh too
+small for the model says why it cannot serve.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from meshd.control.leader import Leader
+from meshd.control.mesh import NotServing
+from meshd.control.placement import validate
+from meshd.control.runner import LocalRunner
+from meshd.errors import BadRequest
+from protocol.messages import Accept, Commit, NodeId, Plan, Reject, RejectCode
+from shards.manifest import Manifest
+from tests.inproc import FakeLink, GiB, Tasks, caps, config, store_for, until, view_with
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Pipeline:
+    """Records what the leader has it serve."""
+
+    def __init__(self) -> None:
+        self.plan = None
+        self.served: list[tuple[int, tuple]] = []
+        self.suspended: list[str] = []
+
+    async def serve(self, term, assignments, runners) -> None:
+        self.plan = SimpleNamespace(term=term, assignments=tuple(assignments), runners=dict(runners))
+        self.served.append((term, tuple(assignments)))
+
+    async def suspend(self, reason: str) -> None:
+        self.plan = None
+        self.suspended.append(reason)
+
+
+class Peer(FakeLink):
+    """Answers each Plan with the next scripted reply (then Accept), as a peer would."""
+
+    def __init__(self, peer_id: str, vram: int, *replies: Reject, layer_ms: float = 1.0):
+        super().__init__(peer_id, caps(vram=vram, layer_ms=layer_ms), answer=self._answer)
+        self.replies = deque(replies)
+        self.leader: Leader | None = None
+
+    def _answer(self, msg) -> None:
+        if isinstance(msg, Plan):
+            mine = next((a.span for a in msg.assignments if a.node == self.peer_id), None)
+            if mine is None:
+                return
+            reply = self.replies.popleft() if self.replies else Accept(msg.term, mine)
+            if isinstance(reply, Reject):
+                reply = Reject(msg.term, reply.reason, code=reply.code, held_term=reply.held_term)
+            self.leader.on_reply(self.peer_id, reply)
+
+
+@pytest.fixture
+async def mesh(tiny_model_dir, tmp_path):
+    tasks = Tasks()
+    made = []
+
+    def make(*peers: Peer, my_budget: int = 100 * GiB) -> SimpleNamespace:
+        # "a" leads (most VRAM) and is slow, so placement gives the peers layers.
+        view = view_with("a", caps(vram=64 * GiB, layer_ms=20.0, mem_budget=my_budget), *peers)
+        cfg = config(tmp_path, tiny_model_dir, replicate=False, drain_timeout_s=5.0)
+        store = store_for(cfg, view, tiny_model_dir)
+        pipeline = Pipeline()
+        leader = Leader(cfg, view, store, pipeline, spawn=tasks.spawn, local_runner=LocalRunner,
+                        use_model=lambda model_dir, manifest: None, busy=lambda: False)
+        for p in peers:
+            p.leader = leader
+        tasks.spawn(leader.run())
+        made.append(store)
+        return SimpleNamespace(leader=leader, view=view, pipeline=pipeline, peers={p.peer_id: p for p in peers},
+                               n=Manifest.load(tiny_model_dir).n_layers)
+
+    yield make
+    await tasks.close()
+    for store in made:
+        store.close()
+
+
+async def active(m, term_above: int = 0):
+    """The next plan that becomes active above ``term_above``."""
+    await until(lambda: m.view.plan is not None and m.view.plan.term > term_above)
+    return m.view.plan
+
+
+def nodes(plan) -> set[str]:
+    return {a.node for a in plan.assignments}
+
+
+async def test_a_plan_covering_every_layer_becomes_active_and_is_committed(mesh):
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB))
+    m.leader.view_changed("start")
+    plan = await active(m)
+    validate(plan.assignments, m.n)
+    assert nodes(plan) >= {"b", "c"} and plan.term == m.view.term == 1
+    assert m.pipeline.served == [(1, plan.assignments)]
+    assert set(m.pipeline.plan.runners) == nodes(plan)
+    for p in m.peers.values():
+        assert p.of(Commit) == [Commit(1)] and p.of(Plan)[-1] == plan
+    assert m.view.unavailable is None and [t.term for t in m.view.history] == [1]
+
+
+async def test_a_lagging_view_is_asked_again_a_higher_term_is_gone_above(mesh):
+    lagging = Reject(0, "not my supernode (this peer holds c)", code=RejectCode.NOT_MY_SUPERNODE)
+    ahead = Reject(0, "stale term: this peer is at term 7", code=RejectCode.STALE_TERM, held_term=7)
+    m = mesh(Peer("b", 8 * GiB, lagging), Peer("c", 4 * GiB, ahead))
+    m.leader.view_changed("start")
+    plan = await active(m)
+    # Neither was left out; the plan that took is above the term "c" named.
+    assert nodes(plan) >= {"b", "c"} and plan.term == 8 == m.view.term
+
+
+async def test_a_peer_that_cannot_load_is_left_out(mesh):
+    broken = Reject(0, "cannot load 2:4: disk full", code=RejectCode.CANNOT_LOAD)
+    m = mesh(Peer("b", 8 * GiB, broken), Peer("c", 4 * GiB))
+    m.leader.view_changed("start")
+    plan = await active(m)
+    validate(plan.assignments, m.n)
+    assert "b" not in nodes(plan) and "c" in nodes(plan) and plan.term == 2
+
+
+async def test_losing_an_idle_peer_replans_nothing_losing_a_stage_replans_at_once(mesh):
+    # "d" is too slow to be worth a span: it stays idle.
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB), Peer("d", 1 * GiB, layer_ms=1e6))
+    m.leader.view_changed("start")
+    plan = await active(m)
+    assert "d" not in nodes(plan)
+    m.leader.peer_lost(NodeId("d"), "socket closed")
+    await m.view.changes.wait_for(lambda: False, 0.3)  # time enough for a (wrong) re-plan
+    assert m.view.plan is plan and m.view.term == 1
+    lost = m.peers.pop("b")
+    del m.view.links["b"]  # as the link keeper does, before it tells the leader
+    m.leader.peer_lost(lost.peer_id, "socket closed")
+    after = await active(m, term_above=1)
+    validate(after.assignments, m.n)
+    assert "b" not in nodes(after) and after.term == 2
+
+
+async def test_a_drain_returns_once_a_plan_without_the_peer_is_active(mesh):
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB))
+    m.leader.view_changed("start")
+    await active(m)
+    answer = await m.leader.drain(NodeId("c"))
+    assert answer["drained"] and answer["node"] == "c" and answer["term"] == m.view.plan.term == 2
+    assert "c" not in nodes(m.view.plan) and "c" not in {a["node"] for a in answer["plan"]}
+    with pytest.raises(BadRequest) as own:
+        await m.leader.drain(NodeId("a"))
+    assert own.value.status == 409
+    with pytest.raises(BadRequest) as unknown:
+        await m.leader.drain(NodeId("zz"))
+    assert unknown.value.status == 404
+
+
+async def test_a_mesh_too_small_for_the_model_says_why(mesh):
+    m = mesh(Peer("b", 8 * GiB), my_budget=1)
+    m.leader.view_changed("start")
+    await until(lambda: m.view.unavailable is not None and m.view.unavailable.why is NotServing.NO_ROOM)
+    assert m.view.plan is None and m.pipeline.suspended and "short of the head" in str(m.view.unavailable)

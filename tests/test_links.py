@@ -1,0 +1,98 @@
+"""The link keeper, in process, over real WebSockets on loopback (no namespaces): two
+keepers that name each other as static peers end with one authenticated link between
+them, which stays, with an RTT measured; a peer that goes silent is lost
+after the missed heartbeats, one that closes its socket at once, each with its reason
+in the view and told to the leader's ``on_lost``."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from meshd.control.links import LinkKeeper
+from meshd.control.mesh import MeshView
+from meshd.control.peers import LocalIdentity, handshake
+from protocol.messages import NodeId
+from tests.inproc import Tasks, caps, config, until
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = secrets.token_hex(32).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def keeper(tmp_path, node_id: str, port: int, peers: tuple[str, ...] = (), **flags):
+    """A link keeper serving /mesh/ws on ``port``, dialing ``peers``; what it tells the leader is recorded."""
+    cfg = config(tmp_path / node_id, port=port, peer=peers, **flags)
+    view = MeshView(NodeId(node_id), caps(vram=1, api_port=port))
+    tasks = Tasks()
+    joined, lost = [], []
+    async with aiohttp.ClientSession() as http:
+        k = LinkKeeper(cfg, view, LocalIdentity(NodeId(node_id), node_id, "home", SECRET), lambda: http,
+                       tasks.spawn, handle=_ignore, on_joined=joined.append,
+                       on_lost=lambda peer, reason: lost.append((peer, reason)))
+        app = web.Application()
+        app.router.add_get("/mesh/ws", k.ws_handler)
+        runner = web.AppRunner(app, shutdown_timeout=1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        tasks.spawn(k.connect_loop())
+        tasks.spawn(k.heartbeat_loop())
+        try:
+            yield SimpleNamespace(keeper=k, view=view, joined=joined, lost=lost, url=f"http://127.0.0.1:{port}")
+        finally:
+            for link in list(view.links.values()):
+                await link.close("test over")
+            await tasks.close()
+            await runner.cleanup()
+
+
+async def _ignore(link, msg) -> None:
+    pass
+
+
+async def test_two_peers_that_dial_each_other_keep_one_link(tmp_path):
+    pa, pb = free_port(), free_port()
+    async with keeper(tmp_path, "aaaa", pa, peers=(f"127.0.0.1:{pb}",)) as a, \
+            keeper(tmp_path, "bbbb", pb, peers=(f"127.0.0.1:{pa}",)) as b:
+        await until(lambda: "bbbb" in a.view.links and "aaaa" in b.view.links
+                    and a.view.links["bbbb"].rtt_ms is not None and b.view.links["aaaa"].rtt_ms is not None)
+        ab, ba = a.view.links["bbbb"], b.view.links["aaaa"]
+        assert ab.alive and ba.alive and ab.dialed != ba.dialed, "two ends of one connection"
+        # Past a redial backoff (1 s): the dial loops go round and leave the link as it is.
+        await b.view.changes.wait_for(lambda: False, 1.5)
+        assert a.view.links["bbbb"] is ab and b.view.links["aaaa"] is ba and ab.alive and ba.alive
+        assert a.joined == ["bbbb"] and b.joined == ["aaaa"] and not a.lost and not b.lost
+
+
+async def test_a_silent_peer_is_lost_after_the_missed_beats_a_closed_one_at_once(tmp_path):
+    async with keeper(tmp_path, "aaaa", free_port(), heartbeat_s=0.2, missed_beats=3) as a:
+        async with aiohttp.ClientSession() as http:
+            # pytest as a peer that authenticates, then never answers a ping.
+            silent = LocalIdentity(NodeId("ssss"), "silent", "home", SECRET)
+            async with http.ws_connect(a.url + "/mesh/ws") as ws:
+                await handshake(ws, silent, caps())
+                await until(lambda: "ssss" in a.view.links)
+                await until(lambda: a.lost, timeout=5)
+                assert a.lost == [("ssss", "missed 3 heartbeats")]
+                assert "ssss" not in a.view.links and a.view.lost["ssss"].reason == "missed 3 heartbeats"
+
+            closing = LocalIdentity(NodeId("cccc"), "closing", "home", SECRET)
+            async with http.ws_connect(a.url + "/mesh/ws") as ws:
+                await handshake(ws, closing, caps())
+                await until(lambda: "cccc" in a.view.links)
+            # The socket closed with the block: lost well before any heartbeat could miss.
+            await until(lambda: len(a.lost) == 2, timeout=0.5)
+            peer, reason = a.lost[1]
+            assert peer == "cccc" and "socket closed" in reason and a.view.lost["cccc"].reason == reason

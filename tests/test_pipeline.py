@@ -1,0 +1,138 @@
+"""The supernode's pipeline, in process, on real engines of the tiny model split in two
+stages: a step through the plan gives the tokens one engine gives; a stage lost mid-way
+makes the step wait for the next plan and replay the session's history through the new
+owner (whose caches are empty), and the tokens go on unchanged; a stage that answers
+Fail asks for a new plan; no plan in time is a NoCapacity naming why."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshd.control.runner import LocalRunner
+from meshd.errors import NoCapacity, PeerLost, StageFailed
+from meshd.serving.pipeline import Pipeline
+from meshd.serving.scheduler import Session, _pick
+from protocol.messages import Assignment, NodeId
+from shards.engine import StageEngine, generate_greedy
+from shards.manifest import Manifest
+from shards.sampling import Sampler, SamplingParams
+from shards.span import Span
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = [5, 17, 42, 99, 7, 3]
+TOKENS = 8
+SPLIT = 3
+
+
+def load(model_dir, span, embed=False, head=False) -> StageEngine:
+    return StageEngine.load(model_dir, span, embed, head, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> list[int]:
+    """The tokens one engine of the whole model gives."""
+    whole = load(tiny_model_dir, Span(0, Manifest.load(tiny_model_dir).n_layers), True, True)
+    try:
+        return whole.run_sync(lambda: generate_greedy(whole, PROMPT, TOKENS))
+    finally:
+        whole.close()
+
+
+@pytest.fixture
+async def parts(tiny_model_dir, reference):
+    made = []
+
+    def engine(span, embed=False, head=False) -> StageEngine:
+        made.append(load(tiny_model_dir, span, embed, head))
+        return made[-1]
+
+    yield engine, Manifest.load(tiny_model_dir).n_layers, reference
+    for e in made:
+        e.close()
+
+
+class Failing:
+    """A stage whose peer goes away (or answers Fail) at its ``after``-th call."""
+
+    def __init__(self, inner: LocalRunner, after: int, error: PeerLost, then=None):
+        self.inner, self.after, self.error, self.then = inner, after, error, then
+        self.calls = 0
+
+    async def forward_batch(self, term, segments, hidden):
+        self.calls += 1
+        if self.calls == self.after:
+            if self.then is not None:
+                self.then()
+            raise self.error
+        return await self.inner.forward_batch(term, segments, hidden)
+
+    async def drop(self, term, session):
+        await self.inner.drop(term, session)
+
+
+def plan(n: int, a: str = "a", b: str = "b") -> tuple[Assignment, ...]:
+    return (Assignment(NodeId(a), Span(0, SPLIT)), Assignment(NodeId(b), Span(SPLIT, n)))
+
+
+async def generate(pipeline: Pipeline, n: int = TOKENS) -> tuple[list[int], Session]:
+    s = Session("s1", list(PROMPT), len(PROMPT), SamplingParams(temperature=0.0, max_tokens=n),
+                sampler=Sampler(SamplingParams(temperature=0.0)))
+    while len(s.generated) < n:
+        token = (await pipeline.step([s], _pick))[s.id]
+        if token is not None:
+            s.tokens.append(token)
+    return s.generated, s
+
+
+async def test_a_step_through_two_stages_gives_what_one_engine_gives(parts):
+    engine, n, reference = parts
+    pipeline = Pipeline(lambda: head)
+    head = engine(None, True, True)
+    await pipeline.serve(1, plan(n), {"a": LocalRunner(engine(Span(0, SPLIT))),
+                                      "b": LocalRunner(engine(Span(SPLIT, n)))})
+    got, _ = await generate(pipeline)
+    assert got == reference and pipeline.replays == 0
+
+
+async def test_a_stage_lost_mid_way_is_replayed_through_the_new_owner(parts):
+    engine, n, reference = parts
+    head = engine(None, True, True)
+    pipeline = Pipeline(lambda: head, wait_s=10)
+    first = LocalRunner(engine(Span(0, SPLIT)))
+
+    def replan() -> None:  # what the leader does on the loss: a new plan, "c" for the lost span
+        asyncio.get_running_loop().create_task(
+            pipeline.serve(2, plan(n, b="c"), {"a": first, "c": LocalRunner(engine(Span(SPLIT, n)))}))
+
+    lost = Failing(LocalRunner(engine(Span(SPLIT, n))), after=5, error=PeerLost("b: socket closed"), then=replan)
+    await pipeline.serve(1, plan(n), {"a": first, "b": lost})
+    got, session = await generate(pipeline)
+    assert got == reference, "the replay changed the tokens"
+    assert pipeline.replays == 1 and session.term == 2 and session.cached == len(session.tokens) - 1
+
+
+async def test_a_stage_that_fails_the_step_asks_for_a_new_plan(parts):
+    engine, n, reference = parts
+    head = engine(None, True, True)
+    asked = []
+    pipeline = Pipeline(lambda: head, wait_s=10, on_stage_failed=asked.append)
+    first, second = LocalRunner(engine(Span(0, SPLIT))), LocalRunner(engine(Span(SPLIT, n)))
+
+    def replan() -> None:
+        asyncio.get_running_loop().create_task(pipeline.serve(2, plan(n), {"a": first, "b": second}))
+
+    failing = Failing(second, after=3, error=StageFailed("b failed the step: out of memory"), then=replan)
+    await pipeline.serve(1, plan(n), {"a": first, "b": failing})
+    got, _ = await generate(pipeline)
+    assert got == reference and len(asked) == 1 and "out of memory" in asked[0]
+
+
+async def test_no_plan_in_time_is_no_capacity_saying_why(parts):
+    engine, n, _ = parts
+    head = engine(None, True, True)
+    pipeline = Pipeline(lambda: head, wait_s=0.2)
+    await pipeline.suspend("peers have room for 2 of 6 layers")
+    with pytest.raises(NoCapacity, match="room for 2 of 6"):
+        await generate(pipeline, 1)
