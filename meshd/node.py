@@ -33,9 +33,9 @@ from meshd.config import Config
 from meshd.control.discovery import Advert, Discovery
 from meshd.control.follower import Follower
 from meshd.control.leader import Leader
-from meshd.control.links import LinkKeeper, peer_url, url_host
+from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
-from meshd.control.peers import Link, LocalIdentity
+from meshd.control.peers import Link, LocalIdentity, peer_url, url_host
 from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, check_files_token, files_token
 from meshd.errors import NoCapacity, ProtocolError

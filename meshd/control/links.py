@@ -19,22 +19,13 @@ from aiohttp import web
 from meshd.config import Config
 from meshd.control.discovery import Advert, DiscoveryEvent, PeerGone, PeerSeen
 from meshd.control.mesh import MeshView
-from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake
+from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake, url_host
 from meshd.errors import AuthError, PeerLost, ProtocolError
 from protocol.messages import Message, NodeId
 
 log = structlog.get_logger()
 
 LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
-
-
-def url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
-
-
-def peer_url(scheme: str, link: Link) -> str:
-    """The base URL of a linked peer's HTTP API (which also serves its shard files)."""
-    return f"{scheme}://{url_host(link.addr)}:{link.caps.api_port}"
 
 
 class LinkKeeper:

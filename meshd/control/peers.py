@@ -118,6 +118,15 @@ async def handshake(ws: WS, me: LocalIdentity, caps) -> Hello:
     return theirs
 
 
+def url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def peer_url(scheme: str, link: Link) -> str:
+    """The base URL of a linked peer's HTTP API (which also serves its shard files)."""
+    return f"{scheme}://{url_host(link.addr)}:{link.caps.api_port}"
+
+
 class Link:
     """An authenticated link to one peer; calls out (``call_*``), and feeds incoming
     messages to the node's handler."""

@@ -15,8 +15,8 @@ import structlog
 from aiohttp import web
 
 from meshd.config import Config
-from meshd.control.links import peer_url
 from meshd.control.mesh import MeshView
+from meshd.control.peers import peer_url
 from meshd.control.transfer import fetch_files, fetch_manifest, missing_files, serve_file
 from meshd.errors import KNOWN_ERRORS, ShardMissing
 from protocol.messages import NodeId
