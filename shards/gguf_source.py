@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -27,14 +28,39 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+class FastGGUFReader(GGUFReader):
+    """llama.cpp's GGUFReader, reading metadata arrays in one piece: its own reader makes
+    numpy views element by element, 10-25 s for a 262k-token vocabulary (Gemma 3); this
+    takes well under a second. Fields read the same through ``contents()``."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs, n = orig_offs + 12, int(alen[0])
+        sub = GGUFValueType(int(itype[0]))
+        nptype = self.gguf_scalar_to_np.get(sub)
+        if nptype is not None:  # one part holding every element
+            arr = self._get(offs, nptype, n)
+            return 12 + int(arr.nbytes), [itype, alen, arr], [2], [GGUFValueType.ARRAY, sub]
+        if sub != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw = self.data.view(np.ndarray)  # plain views: slicing a memmap costs microseconds each
+        view = memoryview(raw)
+        parts: list = [itype, alen]
+        for _ in range(n):
+            (slen,) = struct.unpack_from("<Q", view, offs)
+            parts.append(raw[offs + 8: offs + 8 + slen])
+            offs += 8 + slen
+        return offs - orig_offs, parts, list(range(2, 2 + n)), [GGUFValueType.ARRAY, sub]
+
+
 def _value(field) -> object:
-    """A field's value; flat arrays read straight from their parts (``contents()`` takes
-    seconds for a 262k-token vocabulary)."""
+    """A field's value as plain Python."""
     types = field.types
-    if len(types) == 2 and types[0] == GGUFValueType.ARRAY:
-        if types[1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
+    if len(types) == 2 and types[0] == GGUFValueType.ARRAY and types[1] == GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
     return field.contents()
 
 
@@ -63,7 +89,7 @@ class GGUFSource(TensorSource):
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
+        self.reader = FastGGUFReader(str(self.path))
         self._tensors = {t.name: t for t in self.reader.tensors}
         self.fields = _Fields(self.reader)
         arch = self.fields.get("general.architecture")

@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from meshd.errors import ModelError
 from shards.chat import ChatTemplate
@@ -179,13 +179,16 @@ def _post_processor(tok: Tokenizer, tokens: list[str], bos: int | None, eos: int
 
 def _with_added_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> Tokenizer:
     """Control tokens as special and user-defined ones as plain added tokens, each under
-    the id the file gives it (``add_tokens`` would append a new id for a text that is not
-    spelled the same in the vocabulary)."""
+    the id the file gives it."""
+    added = [(i, t, ty == _CONTROL) for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_CONTROL, _USER_DEFINED)]
+    if all(tok.token_to_id(t) == i for i, t, _ in added):  # the usual case: each text is its own vocabulary entry
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t, special in added if special])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for _, t, special in added if not special])
+        return tok
+    # add_tokens would give a text spelled otherwise in the vocabulary a new id: write them with theirs.
     data = json.loads(tok.to_str())
-    data["added_tokens"] = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": ty == _CONTROL}
-        for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (_CONTROL, _USER_DEFINED)]
+    data["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": special} for i, t, special in added]
     return Tokenizer.from_str(json.dumps(data))
 
 

@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.daemon",
     "tests.fixtures.netlab",
     "tests.fixtures.mesh",
+    "tests.fixtures.families",
 ]

@@ -1,0 +1,150 @@
+"""Every family against transformers on the same weights: tiny random models saved as
+Hugging Face directories (tests/tinyfamilies.py), converted by meshd, run as 3 spans in
+sequence; and the same models as GGUF files written by llama.cpp's own converter.
+
+Logits of a prompt equal transformers' forward (fp32, max |Δ| <= 1e-4) and 32 greedy
+tokens are equal, including a Llama 3.1 prompt past its rope scaling's low-frequency
+boundary and Mistral / Gemma 3 / Phi-3 prompts longer than their sliding windows. The
+device is CUDA where there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shards.convert import convert
+from shards.engine import generate_greedy
+from shards.manifest import Manifest
+from shards.model import load_stage
+from shards.span import Span
+from tests.tinyfamilies import CASE, CASES, load_reference, reference_greedy
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+TOL = 1e-4
+GREEDY = 32
+GGUF_CASES = [c.name for c in CASES if c.gguf_prompt_len is not None]
+
+
+def _spans(n_layers: int) -> list[Span]:
+    a, b = max(1, n_layers // 3), max(2, 2 * n_layers // 3)
+    return [Span(0, a), Span(a, b), Span(b, n_layers)]
+
+
+def _stages(model_dir: Path, device: str):
+    n = Manifest.load(model_dir).n_layers
+    spans = _spans(n)
+    return [load_stage(model_dir, s, i == 0, i == len(spans) - 1, device, torch.float32)[0]
+            for i, s in enumerate(spans)]
+
+
+def _prompt(vocab: int, n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _logits(stages, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        x = stages[0].embed(torch.tensor(ids, device=stages[0].device))
+        for s in stages:
+            x = s(x, 0, s.new_caches())
+        return stages[-1].head(x).cpu()
+
+
+@pytest.fixture(scope="module")
+def references(family_dirs, device):
+    """transformers' model of each case, loaded once."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_reference(family_dirs[name], device)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_hf_dir_matches_transformers(name, family_dirs, family_models, references, device):
+    case = CASE[name]
+    model_dir = family_models(name, "hf")
+    m = Manifest.load(model_dir)
+    assert m.architecture == case.family
+    stages = _stages(model_dir, device)
+    ids = _prompt(m.config.vocab_size, case.prompt_len)
+    want, want_logits = reference_greedy(references(name), ids, GREEDY)
+    got_logits = _logits(stages, ids)
+    diff = (got_logits - want_logits).abs().max().item()
+    got = generate_greedy(stages, ids, GREEDY)
+    print(f"\n{name}: {case.prompt_len}-token prompt, max |Δlogit| {diff:.2e}; {GREEDY} greedy tokens equal: "
+          f"{got == want}")
+    assert diff <= TOL
+    assert got == want
+
+
+@pytest.mark.parametrize("name", GGUF_CASES)
+def test_llama_cpp_gguf_matches_transformers(name, family_models, references, device):
+    case = CASE[name]
+    model_dir = family_models(name, "gguf")
+    m = Manifest.load(model_dir)
+    assert m.architecture == case.family if case.family != "mistral" else m.architecture == "llama"
+    stages = _stages(model_dir, device)
+    ids = _prompt(m.config.vocab_size, case.gguf_prompt_len, seed=2)
+    _, want_logits = reference_greedy(references(name), ids, 1)
+    diff = (_logits(stages, ids) - want_logits).abs().max().item()
+    print(f"\n{name} from llama.cpp's GGUF: {case.gguf_prompt_len}-token prompt, max |Δlogit| {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_gguf_and_hf_conversions_agree_on_the_config(family_models):
+    """What each family reads from llama.cpp's metadata is what it reads from config.json
+    (Mistral aside: llama.cpp writes it as a Llama without its window)."""
+    for name in GGUF_CASES:
+        hf = Manifest.load(family_models(name, "hf")).config.to_dict()
+        gg = Manifest.load(family_models(name, "gguf")).config.to_dict()
+        for key in ("rope_scaling", "max_position", "eos_token_ids"):  # said differently by the two formats
+            hf.pop(key, None), gg.pop(key, None)
+        if name == "mistral":
+            assert "sliding_window" not in gg and hf.pop("sliding_window") == 8
+            hf.pop("layer_types")
+        assert gg == hf, name
+
+
+def test_llama31_config_and_stops(family_models):
+    hf = Manifest.load(family_models("llama31", "hf")).config
+    gg = Manifest.load(family_models("llama31", "gguf")).config
+    assert hf.rope_scaling.kind == "llama3" and hf.rope_scaling.original_max_position == 32
+    assert gg.rope_scaling.kind == "factors" and len(gg.rope_scaling.freq_factors) == hf.head_dim // 2
+    from shards.tokenizer import MeshTokenizer
+
+    tok = MeshTokenizer.load(family_models("llama31", "hf"))
+    # Every end id of the model stops: end of turn and end of text.
+    assert {tok.token_id("<|eot_id|>"), tok.token_id("<|end_of_text|>")} <= tok.eos_ids
+
+
+def test_manifest_switches(family_models):
+    g = Manifest.load(family_models("gemma3", "hf")).config
+    assert g.layer_types == ("sliding",) * 5 + ("full",) and g.rope_local_theta == 10000.0
+    assert g.qk_norm and g.sandwich_norms and g.hidden_act == "gelu_tanh" and g.embed_scale == 8.0
+    q = Manifest.load(family_models("qwen2", "gguf")).config
+    assert q.attn_bias and not q.qk_norm
+    raw = json.loads((family_models("qwen3", "hf") / "manifest.json").read_text())["config"]
+    assert raw["qk_norm"] is True and "attn_bias" not in raw  # defaults stay out of the manifest
+
+
+def test_converted_once_per_source(family_models, family_dirs, tmp_path):
+    """A GGUF written by llama.cpp converts to the same tensors as its HF directory (up to
+    llama.cpp's Q/K row order, undone, and Gemma's norm offset, added on the HF side)."""
+    from safetensors.torch import load_file
+
+    for name in ("gemma3", "phi3", "llama31"):
+        a, b = family_models(name, "hf"), family_models(name, "gguf")
+        for f in ("embed.safetensors", "layer-001.safetensors"):
+            ta, tb = load_file(str(a / f)), load_file(str(b / f))
+            assert set(ta) == set(tb), (name, f)
+            for k in ta:
+                assert torch.allclose(ta[k], tb[k], atol=1e-6), (name, f, k)
