@@ -9,8 +9,9 @@ escape HTML, loop controls, and any extra variable a caller passes (``enable_thi
 A model without a template gets ChatML.
 
 Messages are OpenAI's shapes, made what templates expect by ``template_messages``: a
-tool call's ``arguments`` JSON string becomes an object, keys whose value is None are
-dropped, and reasoning is given under each name templates read it by.
+tool call's ``arguments`` JSON string becomes an object, a null ``content`` an empty text,
+other keys whose value is None are dropped, and reasoning is given under each name
+templates read it by.
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def template_messages(messages: Sequence[Mapping]) -> list[dict]:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise ModelError(f"chat message {i} needs a string role")
         msg = {k: _plain(v) for k, v in m.items() if v is not None}
+        if "content" in m and m["content"] is None:  # OpenAI's null beside tool calls: no text (templates read it)
+            msg["content"] = ""
         for call in msg.get("tool_calls") or ():
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -195,39 +195,38 @@ def _with_added_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> T
 class StreamDecoder:
     """Turns token ids into text as they arrive, holding back bytes of an unfinished character.
 
-    Each new piece is decoded after the last few tokens already sent and only the text
-    they add is emitted: a SentencePiece decoder strips the space that starts a text, and
-    without that context would strip it from the start of every piece."""
+    Each new piece is decoded after the piece sent before it, and only the text it adds
+    is emitted: a SentencePiece decoder strips the space that starts a text, and would
+    strip it from every piece decoded alone. The piece before always starts where a
+    character does (it followed a clean cut), which byte-fallback decoding needs."""
 
     _MAX_HELD = 8  # a run of tokens this long that still ends in U+FFFD is real output
-    _CONTEXT = 4  # tokens already sent that precede the next piece's decode
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
         self._tok = tokenizer
         self._skip = skip_special
-        self._sent: list[int] = []
+        self._before: list[int] = []  # the last piece emitted
         self._pending: list[int] = []
 
     def _text(self) -> str:
-        full = self._tok.decode(self._sent + self._pending, skip_special_tokens=self._skip)
-        head = self._tok.decode(self._sent, skip_special_tokens=self._skip) if self._sent else ""
-        if full.startswith(head):
-            return full[len(head):]
-        return self._tok.decode(self._pending, skip_special_tokens=self._skip)
+        decode = lambda ids: self._tok.decode(ids, skip_special_tokens=self._skip)  # noqa: E731
+        if not self._before:
+            return decode(self._pending)
+        full, head = decode(self._before + self._pending), decode(self._before)
+        return full[len(head):] if full.startswith(head) else decode(self._pending)
 
     def push(self, token_id: int) -> str:
         self._pending.append(token_id)
         text = self._text()
         if text.endswith("\ufffd") and len(self._pending) < self._MAX_HELD:
             return ""
-        self._sent = (self._sent + self._pending)[-self._CONTEXT:]
-        self._pending.clear()
+        self._before, self._pending = self._pending, []
         return text
 
     def flush(self) -> str:
         text = self._text() if self._pending else ""
-        self._sent = (self._sent + self._pending)[-self._CONTEXT:]
-        self._pending.clear()
+        if self._pending:
+            self._before, self._pending = self._pending, []
         return text
 
 

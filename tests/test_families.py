@@ -148,3 +148,86 @@ def test_converted_once_per_source(family_models, family_dirs, tmp_path):
             assert set(ta) == set(tb), (name, f)
             for k in ta:
                 assert torch.allclose(ta[k], tb[k], atol=1e-6), (name, f, k)
+
+
+# -- what the forward does not do is refused at conversion, naming it ---------------------------
+
+
+def _hf_dir(tmp_path: Path, **config) -> Path:
+    from safetensors.torch import save_file
+
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10}
+    (tmp_path / "config.json").write_text(json.dumps(base | config))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
+    ({"architectures": ["MixtralForCausalLM"]}, "MixtralForCausalLM"),
+    ({"num_local_experts": 8}, "num_local_experts"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "relu"}, "hidden_act='relu'"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+])
+def test_unsupported_hf_config_is_refused(tmp_path, config, named):
+    from meshd.errors import ModelError
+
+    with pytest.raises(ModelError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        convert(_hf_dir(tmp_path, **config), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def _gguf(path: Path, arch: str = "llama", extra: dict | None = None, tensors: tuple[str, ...] = ()) -> Path:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": 1, "embedding_length": 8, "feed_forward_length": 16, "context_length": 64,
+                       "attention.head_count": 2, "attention.layer_norm_rms_epsilon": 1e-5}.items():
+        w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
+                        else gguf.GGUFValueType.UINT32)
+    for key, value in (extra or {}).items():
+        w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType.FLOAT32 if isinstance(value, float)
+                        else gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(65 + i) for i in range(10)])
+    for name in tensors:
+        w.add_tensor(name, np.zeros(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, extra, tensors, named", [
+    ("llama", {"attn_logit_softcapping": 50.0}, (), "llama.attn_logit_softcapping"),
+    ("llama", {"expert_count": 8}, (), "expert_count=8"),
+    ("llama", {"rope.scaling.type": "yarn"}, (), "rope.scaling.type='yarn'"),
+    ("qwen2", {"rope.dimension_count": 2}, (), "rope.dimension_count=2"),
+    ("llama", {}, ("blk.0.attn_q.bias",), "blk.0.attn_q.bias"),
+    ("deepseek2", {}, (), "'deepseek2' is not supported"),
+])
+def test_unsupported_gguf_is_refused(tmp_path, arch, extra, tensors, named):
+    from meshd.errors import ModelError
+
+    with pytest.raises(ModelError, match=named.replace("(", r"\(")):
+        convert(_gguf(tmp_path / "m.gguf", arch, extra, tensors), tmp_path / "out", progress=False)
+
+
+def test_unknown_architecture_in_a_manifest_is_refused(family_models, tmp_path):
+    import shutil
+
+    from meshd.errors import ModelError
+
+    d = shutil.copytree(family_models("qwen2", "hf"), tmp_path / "m")
+    raw = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps(raw | {"architecture": "mamba"}))
+    with pytest.raises(ModelError, match="'mamba' is not supported"):
+        load_stage(d, Span(0, 1), True, False, verify=False)

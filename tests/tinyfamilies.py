@@ -100,7 +100,7 @@ CASES = [
         tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        template="google-gemma-2-2b-it.jinja", spm_prefix=False, specials=("<start_of_turn>", "<end_of_turn>"),
+        template="google-gemma-2-2b-it.jinja", spm_prefix=False, specials=("<mask>", "<start_of_turn>", "<end_of_turn>"),
         tokenizer_class="GemmaTokenizer", prompt_len=40, gguf_prompt_len=40),
     # Phi-3: fused projections; a window of 16 that transformers applies (and llama.cpp reads).
     Case("phi3", "phi3", "Phi3ForCausalLM", lambda v: _small(
@@ -128,7 +128,8 @@ def _train_spm(case: Case) -> tuple[bytes, Vocab]:
     import sentencepiece as spm
 
     gemma = case.tokenizer_class == "GemmaTokenizer"
-    ids = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3) if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    ids = (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>")
+           if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1))
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS * 20), model_writer=buf, vocab_size=420, model_type="bpe",
@@ -156,6 +157,12 @@ def write_spm_tokenizer(case: Case, out: Path, template: str | None) -> Vocab:
     if template is not None:
         tok.chat_template = template
     tok.save_pretrained(out)
+    # The added tokens listed in tokenizer_config.json as Hub repositories have them (transformers 5
+    # no longer writes them; llama.cpp's converter reads its token types from there).
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return vocab
 
 
