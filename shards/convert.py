@@ -54,7 +54,7 @@ def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> byte
     return save({k: cast(k, v).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
 
 
-def _up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
+def up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
     """A finished conversion of the same name and dtype whose every file checks out."""
     if not (out / MANIFEST_FILE).is_file():
         return False
@@ -89,13 +89,13 @@ def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = Non
     dtype = spec.kind if spec else dtype  # what the manifest says
     src, out = Path(src), Path(out)
     # With a name given, a finished directory is recognised without opening the source.
-    if name is not None and _up_to_date(out, name, dtype, qspec):
+    if name is not None and up_to_date(out, name, dtype, qspec):
         log.info("convert_skipped", out=str(out), model=name)
         return out
     source = open_source(src)
     if name is None:
         name = source.name
-        if _up_to_date(out, name, dtype, qspec):
+        if up_to_date(out, name, dtype, qspec):
             log.info("convert_skipped", out=str(out), model=name)
             return out
     out.mkdir(parents=True, exist_ok=True)

@@ -231,3 +231,19 @@ def test_unknown_architecture_in_a_manifest_is_refused(family_models, tmp_path):
     (d / "manifest.json").write_text(json.dumps(raw | {"architecture": "mamba"}))
     with pytest.raises(ModelError, match="'mamba' is not supported"):
         load_stage(d, Span(0, 1), True, False, verify=False)
+
+
+def test_quantized_qwen2_keeps_its_biases(family_dirs, family_models, tmp_path):
+    """Weight-only quantization leaves biases in float and applies them (Qwen2's q, k, v)."""
+    src = family_models("qwen2", "hf")
+    q = convert(family_dirs["qwen2"], tmp_path / "q8", quantize="int8", name="q8", progress=False)
+    f, _ = load_stage(src, Span(0, 3), True, True)
+    s, _ = load_stage(q, Span(0, 3), True, True)
+    for i in range(3):
+        for p in "qkv":
+            want = getattr(f.layers[str(i)].attention, f"w{p}").bias
+            assert torch.equal(getattr(s.layers[str(i)].attention, f"w{p}").bias, want)
+    ids = torch.arange(1, 25)
+    with torch.inference_mode():
+        a, b = (st.head(st(st.embed(ids), 0, st.new_caches())) for st in (f, s))
+    assert (a - b).abs().max() <= 0.05 * a.abs().max()

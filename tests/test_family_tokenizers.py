@@ -18,17 +18,11 @@ from tokenizers import Tokenizer
 
 from shards.tokenizer import MeshTokenizer
 from tests.llamacpp import vocab_cases
-from tests.tinyfamilies import CASE, CASES, _bpe_tokenizer_json
+from tests.tinyfamilies import CASE, CASES, TEXTS, _bpe_tokenizer_json
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog.", "Hello, world!", "I've been 'told' he's there, 'RE you sure?",
-    " leading space", "  two leading", "trailing   ", "tabs\tand\nnewlines\n\n\nthree\r\n", "   ", "\n", "",
-    "    def f(x):\n        return x + 1", "Unicode: café naïve Ærøskøbing — “quotes” …",
-    "CJK: 日本語のテキスト 中文 한국어", "Emoji: 🙂🚀👩‍👩‍👧 🇫🇷", "digits 1234567890 3.14159 12,345",
-]
 VOCABS = ("llama-spm", "llama-bpe", "qwen2", "phi-3", "gpt-2", "starcoder")
 # Vocabularies whose GGUF rebuild equals transformers' tokenizer of the directory: byte-level
 # ones, and SentencePiece without a space prefix (Gemma).

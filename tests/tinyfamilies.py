@@ -36,6 +36,14 @@ CORPUS = [
     "What is the capital of France? Paris is the capital of France.",
 ]
 
+# What tokenizers are checked on: ASCII, contractions, whitespace runs, Unicode, emoji, digits.
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello, world!", "I've been 'told' he's there, 'RE you sure?",
+    " leading space", "  two leading", "trailing   ", "tabs\tand\nnewlines\n\n\nthree\r\n", "   ", "\n", "",
+    "    def f(x):\n        return x + 1", "Unicode: café naïve Ærøskøbing — “quotes” …",
+    "CJK: 日本語のテキスト 中文 한국어", "Emoji: 🙂🚀👩‍👩‍👧 🇫🇷", "digits 1234567890 3.14159 12,345",
+]
+
 
 @dataclass(frozen=True)
 class Vocab:
