@@ -37,6 +37,9 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 # The splits of the original tokenizer.json files, by llama.cpp's pre-tokenizer names.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -62,11 +65,13 @@ _BPE_PRE = {
     "llama-bpe": lambda: (_regex_split(_LLAMA3_SPLIT), None, True),
     "llama3": lambda: (_regex_split(_LLAMA3_SPLIT), None, True),
     "llama-v3": lambda: (_regex_split(_LLAMA3_SPLIT), None, True),
+    # Mistral Nemo and later: its tokenizer.json's split (llama.cpp keeps no test vectors for it).
+    "tekken": lambda: (_regex_split(_TEKKEN_SPLIT), None, True),
     "qwen2": lambda: (_regex_split(_QWEN2_SPLIT), normalizers.NFC(), False),
     "deepseek-r1-qwen": lambda: (_regex_split(_QWEN2_SPLIT), normalizers.NFC(), False),
 }
 # Pre-tokenizers whose vocabularies start a prompt with BOS unless the file says otherwise.
-_BPE_ADD_BOS = {"llama-bpe", "llama3", "llama-v3"}
+_BPE_ADD_BOS = {"llama-bpe", "llama3", "llama-v3", "tekken"}
 
 # Texts of end-of-generation tokens (llama.cpp's list, the ones in use): any of them that
 # the vocabulary has stops a generation, whatever the config names as EOS.
