@@ -247,3 +247,27 @@ def test_quantized_qwen2_keeps_its_biases(family_dirs, family_models, tmp_path):
     with torch.inference_mode():
         a, b = (st.head(st(st.embed(ids), 0, st.new_caches())) for st in (f, s))
     assert (a - b).abs().max() <= 0.05 * a.abs().max()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "llama-dynamic"])
+def test_batched_sessions_equal_each_alone(name, family_models):
+    """Sliding windows and dynamic rope are per session in a batched step: two sessions at
+    different positions, stepped together, get what each gets alone."""
+    d = family_models(name, "hf")
+    stage = load_stage(d, Span(0, Manifest.load(d).n_layers), True, True)[0]
+    vocab = stage.config.vocab_size
+    a, b = _prompt(vocab, 40, seed=3), _prompt(vocab, 11, seed=4)
+    with torch.inference_mode():
+        alone = []
+        for ids in (a, b):
+            c = stage.new_caches()
+            stage(stage.embed(torch.tensor(ids[:-1])), 0, c)
+            alone.append(stage.head(stage(stage.embed(torch.tensor(ids[-1:])), len(ids) - 1, c)))
+        ca, cb = stage.new_caches(), stage.new_caches()
+        stage(stage.embed(torch.tensor(a[:-1])), 0, ca)
+        stage(stage.embed(torch.tensor(b[:-5])), 0, cb)
+        # a decodes one row while b prefills its last five, in one forward
+        x = stage.forward_batch(stage.embed(torch.tensor(a[-1:] + b[-5:])), [(len(a) - 1, 1, ca), (len(b) - 5, 5, cb)])
+        both = stage.head(x)
+    assert torch.allclose(both[0], alone[0][0], atol=1e-5)
+    assert torch.allclose(both[-1], alone[1][0], atol=1e-5)
