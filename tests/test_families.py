@@ -132,6 +132,8 @@ def test_manifest_switches(family_models):
     assert g.qk_norm and g.sandwich_norms and g.hidden_act == "gelu_tanh" and g.embed_scale == 8.0
     q = Manifest.load(family_models("qwen2", "gguf")).config
     assert q.attn_bias and not q.qk_norm
+    d = Manifest.load(family_models("llama-dynamic", "hf")).config
+    assert d.rope_scaling.original_max_position == 32 and d.max_position == 64  # the engine's context limit
     raw = json.loads((family_models("qwen3", "hf") / "manifest.json").read_text())["config"]
     assert raw["qk_norm"] is True and "attn_bias" not in raw  # defaults stay out of the manifest
 

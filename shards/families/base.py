@@ -228,7 +228,10 @@ class Family:
     def hf_switches(self, hf: HFConfig, base: dict) -> dict:
         """The forward's switches this family sets, and its rope."""
         theta, scaling = self.hf_rope(hf, hf.get("rope_parameters") or {})
-        return {"rope_theta": theta, "rope_scaling": scaling}
+        out = {"rope_theta": theta, "rope_scaling": scaling}
+        if scaling is not None and scaling.kind == "dynamic":  # the context it is scaled to reach
+            out["max_position"] = int(scaling.original_max_position * scaling.factor)
+        return out
 
     def hf_rope(self, hf: HFConfig, params: Mapping) -> tuple[float, RopeScaling | None]:
         """(theta, scaling) from transformers' ``rope_parameters`` (``params``) or the older
