@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 export MESHD_STATE_DIR := $(STATE)
 export MESHD_TEST_MODEL_DIR := $(STATE)/models/smollm2-135m
 
-.PHONY: run test bootstrap model bench clean
+.PHONY: run test bootstrap model gemma bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,10 +26,14 @@ bootstrap: $(VENV)/.installed
 model: bootstrap
 	$(BIN)/meshd model fetch smollm2-135m --state-dir "$(STATE)"
 
+# The second real model, which the family tests check against transformers.
+gemma: bootstrap
+	$(BIN)/meshd model fetch gemma3-270m --state-dir "$(STATE)"
+
 run: model
 	$(BIN)/meshd demo --peers 3 --state-dir "$(STATE)"
 
-test: model
+test: model gemma
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: model

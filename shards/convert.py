@@ -19,8 +19,10 @@ from shards.errors import ModelError, ShardsError
 from shards import quant
 from shards.gguf_source import GGUFSource, is_gguf
 from shards.hf_source import HFSource, is_hf_dir
+from shards.config import ModelConfig
 from shards.manifest import (EMBED_FILE, MANIFEST_FILE, TOKENIZER_FILE, FileEntry, Manifest,
                              layer_file)
+from shards.model import Block
 
 log = structlog.get_logger()
 
@@ -52,7 +54,7 @@ def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> byte
     return save({k: cast(k, v).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
 
 
-def _up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
+def up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
     """A finished conversion of the same name and dtype whose every file checks out."""
     if not (out / MANIFEST_FILE).is_file():
         return False
@@ -87,13 +89,13 @@ def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = Non
     dtype = spec.kind if spec else dtype  # what the manifest says
     src, out = Path(src), Path(out)
     # With a name given, a finished directory is recognised without opening the source.
-    if name is not None and _up_to_date(out, name, dtype, qspec):
+    if name is not None and up_to_date(out, name, dtype, qspec):
         log.info("convert_skipped", out=str(out), model=name)
         return out
     source = open_source(src)
     if name is None:
         name = source.name
-        if _up_to_date(out, name, dtype, qspec):
+        if up_to_date(out, name, dtype, qspec):
             log.info("convert_skipped", out=str(out), model=name)
             return out
     out.mkdir(parents=True, exist_ok=True)
@@ -120,31 +122,26 @@ def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = Non
             files[layer_file(i)] = _write_atomic(out / layer_file(i), _tensors_bytes(layer, tdtype))
             bar.update(1)
     manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=dtype,
-                        files=files, chat_template=source.chat_template, quant=qspec)
+                        files=files, chat_template=source.chat_template, quant=qspec,
+                        special_tokens=source.special_tokens or None)
     manifest.write(out)
     log.info("convert_done", out=str(out), model=name, files=len(files),
              bytes=sum(e.size for e in files.values()), digest=manifest.digest[:12])
     return out
 
 
-def expected_shapes(cfg, layer: int | None) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ModelConfig, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """Our tensors of the embed file (``layer`` None) or of a layer, with their shapes:
+    those of the forward the config builds (so every family switch is covered)."""
     h = cfg.hidden_size
     if layer is None:
         shapes = {"tok_embeddings.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
         if not cfg.tie_embeddings:
             shapes["output.weight"] = (cfg.vocab_size, h)
         return shapes
-    return {
-        "attention_norm.weight": (h,),
-        "attention.wq.weight": (cfg.q_size, h),
-        "attention.wk.weight": (cfg.kv_size, h),
-        "attention.wv.weight": (cfg.kv_size, h),
-        "attention.wo.weight": (h, cfg.q_size),
-        "ffn_norm.weight": (h,),
-        "feed_forward.w1.weight": (cfg.intermediate_size, h),
-        "feed_forward.w2.weight": (h, cfg.intermediate_size),
-        "feed_forward.w3.weight": (cfg.intermediate_size, h),
-    }
+    with torch.device("meta"):
+        block = Block(cfg, layer)
+    return {k: tuple(v.shape) for k, v in block.state_dict().items()}
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], cfg, layer: int | None,

@@ -66,6 +66,8 @@ class Manifest:
     # Weight-only quantization (``dtype`` is then its kind): {"kind": "int8"|"int4",
     # "group_size", "head": bool, "head_kind"}; see shards/quant.py. None: plain floats.
     quant: dict | None = None
+    # Texts of bos_token, eos_token, unk_token, pad_token for chat templates (None: none known).
+    special_tokens: dict[str, str] | None = None
     format: int = FORMAT_VERSION
     _raw: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -89,7 +91,8 @@ class Manifest:
             "config": self.config.to_dict(),
             "chat_template": self.chat_template,
             "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
-        } | ({"quant": dict(self.quant)} if self.quant else {})
+        } | ({"quant": dict(self.quant)} if self.quant else {}) | (
+            {"special_tokens": dict(self.special_tokens)} if self.special_tokens else {})
 
     def to_bytes(self) -> bytes:
         if self._raw is not None:
@@ -108,7 +111,8 @@ class Manifest:
             files = {str(n): FileEntry(str(e["sha256"]), int(e["size"])) for n, e in data["files"].items()}
             return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
                        dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
-                       quant=data.get("quant"), format=int(data.get("format", 1)), _raw=raw)
+                       quant=data.get("quant"), special_tokens=_special_tokens(data.get("special_tokens")),
+                       format=int(data.get("format", 1)), _raw=raw)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ModelError(f"malformed manifest: {e!r}") from e
 
@@ -188,6 +192,14 @@ class Manifest:
                 checked.record(name, st, digest)
         finally:
             checked.save()
+
+
+def _special_tokens(data) -> dict[str, str] | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ModelError("manifest special_tokens must map names to token texts")
+    return dict(data)
 
 
 class _VerifiedCache:

@@ -1,4 +1,8 @@
-"""A Llama-family forward in the style of gpt-fast's model.py, cut into stages.
+"""The forward every family shares, in the style of gpt-fast's model.py, cut into stages.
+
+A Llama is the plain case; the config's switches add what other families have (biases,
+q/k norms, sandwich norms, GELU, sliding-window layers with their own rope, a scaled
+embedding, a soft-capped head), so a family is a config reader and weight names, not code here.
 
 A ``Stage`` holds an optional embedding, a span of transformer layers (keyed by their
 absolute layer number) and an optional final norm and head, so one class serves the
@@ -20,7 +24,9 @@ from torch import Tensor, nn
 from shards.errors import ModelError
 from shards import quant
 from shards.config import ModelConfig
+from shards.families import family
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
+from shards.rope import layer_cos_sin
 from shards.span import Span
 
 
@@ -34,15 +40,6 @@ class RMSNorm(nn.Module):
         xf = x.float()  # the mean of squares in float32 whatever the weights' dtype
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, hd] for the rotate-half rope at ``positions`` [T]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / head_dim))  # [hd/2]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -99,21 +96,33 @@ class KVCache:
         self.length = n
 
 
+Rope = tuple[Tensor, Tensor]  # cos, sin [N, hd] for the rows of a forward
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.wq = nn.Linear(c.hidden_size, c.q_size, bias=False)
-        self.wk = nn.Linear(c.hidden_size, c.kv_size, bias=False)
-        self.wv = nn.Linear(c.hidden_size, c.kv_size, bias=False)
+        self.wq = nn.Linear(c.hidden_size, c.q_size, bias=c.attn_bias)
+        self.wk = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
+        self.wv = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
         self.wo = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        # Per-head norms of q and k (over hd), before rope.
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.scale = c.query_scale  # None: SDPA's own 1/sqrt(hd)
+        self.window = c.sliding_window if c.is_sliding(layer) else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
         """x [N, H]: the rows of every segment one after another; the projections
         run on all rows at once, attention per segment against its own cache."""
         N = x.shape[0]
-        q = apply_rope(self.wq(x).view(N, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)  # [nh, N, hd]
-        k = apply_rope(self.wk(x).view(N, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)  # [nkv, N, hd]
+        q = self.wq(x).view(N, self.n_heads, self.head_dim)
+        k = self.wk(x).view(N, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [nh, N, hd]
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # [nkv, N, hd]
         v = self.wv(x).view(N, self.n_kv_heads, self.head_dim).transpose(0, 1)  # [nkv, N, hd]
         if len(segments) == 1:
             start, _, cache = segments[0]
@@ -135,16 +144,24 @@ class Attention(nn.Module):
         elif start != 0:
             raise ModelError("a forward from a position other than 0 needs a KV cache")
         S = k.shape[1]
+        first = 0  # the first key any new row can see
+        if self.window is not None:
+            first = max(0, start + 1 - self.window)
+            k, v = k[:, first:], v[:, first:]
         rep = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(rep, dim=0)  # [nh, S, hd]
+        k = k.repeat_interleave(rep, dim=0)  # [nh, S', hd]
         v = v.repeat_interleave(rep, dim=0)
-        if T == 1:  # one new position sees everything before it
-            return F.scaled_dot_product_attention(q, k, v)
-        if S == T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # new row i (position start+i) sees keys 0 .. start+i
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if T == 1:  # one new position sees everything before it (in its window)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        if S == T and self.window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        # new row i (position start+i) sees keys first .. start+i, and only the last `window`
+        pos = torch.arange(start, start + T, device=q.device)[:, None]  # [T, 1]
+        key = torch.arange(first, S, device=q.device)[None, :]  # [1, S']
+        mask = key <= pos
+        if self.window is not None:
+            mask &= key > pos - self.window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
 
 class FeedForward(nn.Module):
@@ -153,22 +170,37 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # gate
         self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)  # down
         self.w3 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # up
+        self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
+        self.sliding = c.is_sliding(layer)
         self.attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.attention = Attention(c)
+        self.attention = Attention(c, layer)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.feed_forward = FeedForward(c)
+        # Gemma's sandwich: each sublayer's output is normed again before the residual add.
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.sandwich_norms else None
+        self.post_ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.sandwich_norms else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, segments)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin, segments)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
+        h = x + a
+        f = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return h + f
 
 
 Caches = dict[int, KVCache]  # absolute layer number -> that layer's cache
@@ -184,7 +216,7 @@ class Stage(nn.Module):
         self.config, self.span, self.has_embed, self.has_head = config, span, embed, head
         c = config
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(c) for i in (span or ())})
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in (span or ())})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
         self.output = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.tie()
@@ -204,13 +236,16 @@ class Stage(nn.Module):
         return next(t for t in chain(self.parameters(), self.buffers()) if t.is_floating_point()).dtype
 
     def new_caches(self) -> Caches:
-        c, p = self.config, next(self.parameters())
-        return {i: KVCache(c.n_kv_heads, c.head_dim, p.dtype, p.device) for i in (self.span or ())}
+        c = self.config
+        return {i: KVCache(c.n_kv_heads, c.head_dim, self.dtype, self.device) for i in (self.span or ())}
 
     def embed(self, tokens: Tensor) -> Tensor:  # [T] int64 -> [T, H]
         if self.tok_embeddings is None:
             raise ModelError("this stage holds no embedding")
-        return self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens)
+        if self.config.embed_scale is not None:  # in the embedding's dtype, as Gemma rounds it
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def forward(self, hidden: Tensor, start: int, caches: Caches | None = None) -> Tensor:
         """Run the span over ``hidden`` [T, H] at positions start .. start+T-1."""
@@ -222,18 +257,24 @@ class Stage(nn.Module):
         if self.span is None:
             return hidden
         x = hidden.to(device=self.device, dtype=self.dtype)
-        positions = torch.cat([torch.arange(start, start + rows, device=x.device) for start, rows, _ in batch])
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        spans = [(start, rows) for start, rows, _ in batch]
+        ropes: dict[bool, Rope] = {}  # by layer kind: sliding or not
         for i in self.span:
+            block = self.layers[str(i)]
+            if block.sliding not in ropes:
+                ropes[block.sliding] = layer_cos_sin(self.config, block.sliding, spans, x.device, x.dtype)
             segments = [(start, rows, None if caches is None else caches[i]) for start, rows, caches in batch]
-            x = self.layers[str(i)](x, cos, sin, segments)
+            x = block(x, *ropes[block.sliding], segments)
         return x
 
     def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         if self.output is None or self.norm is None:
             raise ModelError("this stage holds no head")
         x = hidden.to(device=self.device, dtype=self.dtype)
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x)).float()
+        if (cap := self.config.final_softcap) is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -262,6 +303,7 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
     """Build a stage on the meta device and fill it from just its own shard files."""
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
+    family(manifest.architecture)  # a model of an architecture this meshd does not know is refused
     names = [n for n in manifest.files_for(span, embed or head) if n != TOKENIZER_FILE or embed]
     if verify:
         manifest.verify(model_dir, names)

@@ -222,7 +222,7 @@ class QuantLinear(nn.Module):
     """y = x W^T with W stored as int8 [N, K] or int4 [N, K/2]; forward takes [..., K]."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int | None = DEFAULT_GROUP,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, bias: bool = False):
         super().__init__()
         if kind not in KINDS:
             raise ModelError(f"quantization {kind!r} not one of {', '.join(KINDS)}")
@@ -239,16 +239,21 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", torch.empty(N, K // 2, dtype=torch.uint8, device=device))
             self.register_buffer("scales", torch.empty(N, G, dtype=torch.float16, device=device))
             self.register_buffer("zeros", torch.empty(N, G, dtype=torch.float16, device=device))
+        # A float bias stays as it is (Qwen2's q, k, v projections), under the Linear's own name.
+        self.bias = nn.Parameter(torch.empty(N, device=device)) if bias else None
         self.path = "unprepared"
         self._packed: Tensor | None = None  # the device's packed weight (int4) / int8 as is
         self._aux: Tensor | None = None  # int8 scales, or int4 scales_and_zeros [G, N, 2]
         self._kdtype = torch.bfloat16
 
     @classmethod
-    def from_weight(cls, w: Tensor, kind: str, group_size: int | None = DEFAULT_GROUP) -> QuantLinear:
-        m = cls(w.shape[1], w.shape[0], kind, group_size, device=w.device)
+    def from_weight(cls, w: Tensor, kind: str, group_size: int | None = DEFAULT_GROUP,
+                    bias: Tensor | None = None) -> QuantLinear:
+        m = cls(w.shape[1], w.shape[0], kind, group_size, device=w.device, bias=bias is not None)
         for k, v in quantize_weight(w, kind, group_size).items():
             setattr(m, k, v.to(w.device))
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach().clone())
         return m
 
     def stored(self) -> dict[str, Tensor]:
@@ -326,6 +331,8 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, self.dense_weight(x.dtype))
         else:
             y = self._kernel(_aligned(x2.to(self._kdtype))).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
 
@@ -366,7 +373,8 @@ def swap_in(stage: nn.Module, spec: QuantSpec) -> None:
     ``output.qweight``, ``tok_embeddings.qweight`` (a tied, quantized head's embedding).
     """
     g = spec.group_for(spec.kind)
-    _swap_linears(stage, lambda m: QuantLinear(m.in_features, m.out_features, spec.kind, g, device=m.weight.device))
+    _swap_linears(stage, lambda m: QuantLinear(m.in_features, m.out_features, spec.kind, g, device=m.weight.device,
+                                               bias=m.bias is not None))
     if not spec.head:
         return
     kind, g, c = spec.head_as, spec.group_for(spec.head_as), stage.config
@@ -399,7 +407,7 @@ def quantize_stage(stage: nn.Module, spec: QuantSpec) -> dict[str, int]:
     """Quantize a loaded full-precision Stage in place (tests, bench); shards come from convert."""
     act = next(p for p in stage.parameters() if p.is_floating_point()).dtype
     g = spec.group_for(spec.kind)
-    _swap_linears(stage, lambda m: QuantLinear.from_weight(m.weight, spec.kind, g))
+    _swap_linears(stage, lambda m: QuantLinear.from_weight(m.weight, spec.kind, g, m.bias))
     if spec.head:
         kind, g, c = spec.head_as, spec.group_for(spec.head_as), stage.config
         if stage.output is not None:

@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fixtures.netlab",
     "tests.fixtures.mesh",
     "tests.fixtures.api",
+    "tests.fixtures.families",
 ]

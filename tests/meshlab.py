@@ -115,7 +115,7 @@ def greedy_reference(model_dir: Path, prompt: str, n: int) -> list[int]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the daemons run (OMP_NUM_THREADS=1): the same kernels, the same sums
     try:
-        out = engine.run_sync(lambda: generate_greedy(engine, tok.encode(prompt), n))
+        out = engine.run_sync(lambda: generate_greedy(engine, tok.encode_prompt(prompt), n))
     finally:
         torch.set_num_threads(threads)
         engine.close()

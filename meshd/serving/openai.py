@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from meshd.errors import BadRequest
+from meshd.errors import BadRequest, ModelError
 from shards.sampling import SamplingParams
 from shards.tokenizer import MeshTokenizer
 
@@ -81,15 +81,18 @@ def parse_request(
     asked = body.get("model", model)
     if asked != model:
         raise BadRequest(f"model {asked!r} is not served here; this mesh serves {model!r}", status=404, param="model")
-    if chat:
-        prompt = tokenizer.chat_prompt(_chat_messages(body))
+    if chat:  # the model's template writes BOS itself where it has one
+        try:
+            prompt_ids = tokenizer.encode_chat(_chat_messages(body))
+        except ModelError as exc:  # the template refuses these messages (say, a system turn for Gemma)
+            raise BadRequest(str(exc), param="messages") from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("prompt is required: a non-empty string", param="prompt")
-    prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = tokenizer.encode_prompt(prompt)  # with BOS where the model wants one
     default_max = min(16 if not chat else 256, max_tokens_limit)
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = _number(body, key, default_max, 1, max_tokens_limit, integer=True)

