@@ -81,8 +81,10 @@ class Config:
     # or an API key when no control key file is set.
     api_key_file: Path | None = None
     control_key_file: Path | None = None
-    # TLS for the API and peer links (every peer of a mesh alike); tls_ca, when
-    # set, is used to verify peers' certificates (the mesh HMAC authenticates them either way).
+    # HTTPS for the API (clients, and peers fetching shard files); peer links then ride
+    # wss on the same port. Peers are authenticated and their frames sealed by the Noise
+    # handshake either way (meshd/control/secure.py); tls_ca, when set, also verifies
+    # peers' certificates (chain only: peers are found by address, not name).
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
@@ -93,6 +95,9 @@ class Config:
     # added to every frame this peer sends.
     debug_link_delay_ms: float = 0.0
     debug_link_jitter_ms: float = 0.0
+    # Debugging only (every peer alike): frames between peers travel in clear after the
+    # (still authenticated) handshake, so a packet capture can read them.
+    debug_plaintext_links: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

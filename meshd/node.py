@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import ssl
 import time
@@ -35,20 +36,24 @@ from meshd.control.follower import Follower
 from meshd.control.leader import Leader
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
-from meshd.control.peers import Link, LocalIdentity, peer_url, url_host
+from meshd.control import tunnel
+from meshd.control.peers import Link, url_host
+from meshd.control.secure import LocalIdentity
 from meshd.control.store import ModelStore, local_model
-from meshd.control.transfer import AUTH_HEADER, check_files_token, files_token
-from meshd.errors import NoCapacity, ProtocolError
+from meshd.control.transfer import AUTH_HEADER, TokenCheck
+from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api
 from meshd.serving.metrics import NodeMetrics
+from meshd.serving.openai import error_json
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
 from meshd.serving.status import build_status
 from protocol.messages import (
     PROTOCOL_VERSION,
     Accept,
-    Auth,
+    ApiCancel,
+    ApiRequest,
     Bye,
     Capabilities,
     Commit,
@@ -101,7 +106,9 @@ class Node:
         self.device = pick_device(config.device)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret)
+        self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret,
+                                      plaintext=config.debug_plaintext_links)
+        self.tokens = TokenCheck(self.secret)  # shard-file requests from peers
         self.api_keys = config.load_keys(config.api_key_file)
         self.control_keys = config.load_keys(config.control_key_file)
         self.started = time.time()
@@ -122,6 +129,7 @@ class Node:
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active))
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
+        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
 
@@ -250,7 +258,11 @@ class Node:
                 self.follower.drop(session)
             case Accept() | Reject():
                 self.leader.on_reply(link.peer_id, msg)
-            case Hello() | Auth():
+            case ApiRequest():
+                self.tunnel.on_request(link, msg)
+            case ApiCancel():
+                self.tunnel.on_cancel(link, msg)
+            case Hello():
                 raise ProtocolError(f"{type(msg).__name__} after the handshake")
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__}")
@@ -289,7 +301,7 @@ class Node:
     # -- files and drain -------------------------------------------------------------
 
     async def _files_handler(self, request: web.Request) -> web.FileResponse:
-        check_files_token(self.secret, request.headers.get(AUTH_HEADER, ""), request.path)
+        self.tokens.check(request.headers.get(AUTH_HEADER), request.method, request.path)
         return self.store.serve_file(request.match_info["model"], request.match_info["name"])
 
     async def drain_peer(self, peer: NodeId) -> dict:
@@ -300,12 +312,11 @@ class Node:
         if self.view.is_supernode or not self.view.in_plan(self.node_id):
             return
         try:
-            base = await asyncio.wait_for(self.supernode_base_url(), 2.0)
-            path = "/v1/mesh/drain"
-            timeout = aiohttp.ClientTimeout(total=self.config.drain_timeout_s)
-            async with self.http.post(base + path, json={"node": self.node_id}, headers=self.mesh_auth(path),
-                                      timeout=timeout) as resp:
-                log.info("drained_self", status=resp.status)
+            async with asyncio.timeout(self.config.drain_timeout_s + 2.0):
+                await asyncio.wait_for(self._wait_for(self.serves, 2.0, "no supernode"), 2.0)
+                async with self.supernode_post("/v1/mesh/drain", {"node": self.node_id}) as resp:
+                    await resp.read()
+                    log.info("drained_self", status=resp.status)
         except (aiohttp.ClientError, TimeoutError, NoCapacity) as exc:
             log.warning("drain_self_failed", error=str(exc))
 
@@ -315,9 +326,44 @@ class Node:
         plan = self.pipeline.plan if self.view.is_supernode else self.view.plan
         return plan.term if plan is not None else 0
 
-    def mesh_auth(self, path: str) -> dict[str, str]:
-        """The header that lets a peer's API take a request we forward."""
-        return {AUTH_HEADER: files_token(self.secret, self.node_id, path)}
+    @contextlib.asynccontextmanager
+    async def supernode_post(self, path: str, body: object, authorization: str = "",
+                             timeout: aiohttp.ClientTimeout | None = None):
+        """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
+        tunnel), or on loopback when this peer is the supernode. Yields a response
+        with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
+        await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
+        data = json.dumps(body).encode()
+        if self.view.is_supernode:
+            headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
+            async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
+                                      timeout=timeout) as up:
+                yield up
+            return
+        link = self.view.links[self.view.supernode]
+        async with tunnel.call(link, "POST", path, data, authorization,
+                               sock_read=timeout.sock_read if timeout is not None else None) as up:
+            yield up
+
+    async def _tunneled_drain(self, body: bytes) -> tuple[int, bytes]:
+        """/v1/mesh/drain asked by a member over its link: (status, JSON body)."""
+        try:
+            req = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            req = None
+        if not isinstance(req, dict) or not isinstance(req.get("node"), str):
+            return 400, json.dumps(error_json('the body must be {"node": NODE_ID}', 400, "node")).encode()
+        if not self.view.is_supernode:
+            return 503, json.dumps(error_json("not the supernode (any more)", 503)).encode()
+        try:
+            return 200, json.dumps(await self.drain_peer(NodeId(req["node"]))).encode()
+        except BadRequest as exc:
+            return exc.status, json.dumps(error_json(str(exc), exc.status, exc.param)).encode()
+        except NoCapacity as exc:
+            return 503, json.dumps(error_json(f"the mesh cannot serve now: {exc}", 503)).encode()
+        except KNOWN_ERRORS as exc:
+            log.warning("drain_failed", node=req["node"], error=str(exc))
+            return 500, json.dumps(error_json(f"drain failed: {exc}", 500)).encode()
 
     def own_url(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
@@ -326,13 +372,6 @@ class Node:
     async def _wait_for(self, ready, timeout: float, what: str) -> None:
         if not await self.view.changes.wait_for(ready, timeout):
             raise NoCapacity(f"{what}: {self.unavailable_reason()}")
-
-    async def supernode_base_url(self) -> str:
-        """Where to send a completion now: the supernode's API (maybe our own)."""
-        await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
-        if self.view.is_supernode:
-            return self.own_url()
-        return peer_url(self.config.scheme, self.view.links[self.view.supernode])
 
     async def wait_new_term(self, term: int) -> None:
         """After losing the supernode mid-request: wait for the plan of the next one."""

@@ -21,7 +21,8 @@ from shards.span import Span
 NodeId = NewType("NodeId", str)
 SessionId = NewType("SessionId", str)
 
-PROTOCOL_VERSION = 1
+# 2: the Noise handshake (Hello inside it, no Auth), frames sealed, the API tunnel.
+PROTOCOL_VERSION = 2
 
 
 # -- nested structures (not frames of their own) ---------------------------------
@@ -53,19 +54,15 @@ class Assignment:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """Who a peer is: sent only inside the Noise handshake (encrypted), see meshd/control/secure.py."""
+
     tag: ClassVar[str] = "hello"
     version: int
     node_id: NodeId
     mesh: str
     name: str
-    nonce: bytes  # the challenge the other side must MAC
     caps: Capabilities
-
-
-@dataclass(frozen=True, slots=True)
-class Auth:
-    tag: ClassVar[str] = "auth"
-    mac: bytes  # HMAC-SHA256 over the peer's nonce, see docs/architecture.md
+    plaintext: int = field(default=0, metadata={"max": 1})  # 1: this peer runs --debug-plaintext-links
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +187,41 @@ class Drop:
     session: SessionId
 
 
-Message = Hello | Auth | Ping | Pong | Bye | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
+# -- the API tunnel ---------------------------------------------------------------
+# An entry peer hands a client's request to the supernode over the (sealed) link
+# rather than over plain HTTP, so prompts and answers never cross the LAN in clear.
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    tag: ClassVar[str] = "apireq"
+    req: int  # echoed in every ApiReply
+    method: str
+    path: str
+    body: bytes
+    authorization: str = ""  # the client's Authorization header: the supernode checks its own keys
+
+
+@dataclass(frozen=True, slots=True)
+class ApiReply:
+    """One piece of the answer: ``status`` on every piece, the body in order, ``end`` on the last."""
+
+    tag: ClassVar[str] = "apirep"
+    req: int
+    status: int = field(metadata={"max": 599})
+    data: bytes
+    end: int = field(default=0, metadata={"max": 1})
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCancel:
+    """The client went away: stop the request (its sessions are freed)."""
+
+    tag: ClassVar[str] = "apicancel"
+    req: int
+
+
+Message = (Hello | Ping | Pong | Bye | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
+           | ApiRequest | ApiReply | ApiCancel)
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__

@@ -34,7 +34,7 @@ class FakeLink:
 
     def __init__(self, peer_id: str, caps: Capabilities, answer: Callable[[Message], None] | None = None):
         self.peer_id = NodeId(peer_id)
-        self.hello = Hello(PROTOCOL_VERSION, self.peer_id, "home", peer_id, b"\0" * 16, caps)
+        self.hello = Hello(PROTOCOL_VERSION, self.peer_id, "home", peer_id, caps)
         self.addr = "127.0.0.1"
         self.alive = True
         self.rtt_ms: float | None = 0.3

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
-from meshd.control.peers import LocalIdentity, handshake
+from meshd.control.secure import LocalIdentity, handshake
 from protocol.messages import NodeId
 from tests.inproc import Tasks, caps, config, until
 
@@ -82,7 +82,7 @@ async def test_a_silent_peer_is_lost_after_the_missed_beats_a_closed_one_at_once
             # pytest as a peer that authenticates, then never answers a ping.
             silent = LocalIdentity(NodeId("ssss"), "silent", "home", SECRET)
             async with http.ws_connect(a.url + "/mesh/ws") as ws:
-                await handshake(ws, silent, caps())
+                await handshake(ws, silent, caps(), initiator=True, max_frame=1 << 20)
                 await until(lambda: "ssss" in a.view.links)
                 await until(lambda: a.lost, timeout=5)
                 assert a.lost == [("ssss", "missed 3 heartbeats")]
@@ -90,7 +90,7 @@ async def test_a_silent_peer_is_lost_after_the_missed_beats_a_closed_one_at_once
 
             closing = LocalIdentity(NodeId("cccc"), "closing", "home", SECRET)
             async with http.ws_connect(a.url + "/mesh/ws") as ws:
-                await handshake(ws, closing, caps())
+                await handshake(ws, closing, caps(), initiator=True, max_frame=1 << 20)
                 await until(lambda: "cccc" in a.view.links)
             # The socket closed with the block: lost well before any heartbeat could miss.
             await until(lambda: len(a.lost) == 2, timeout=0.5)

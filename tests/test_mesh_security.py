@@ -21,22 +21,19 @@ import pytest
 import torch
 
 from meshd.errors import ProtocolError
-from meshd.control.peers import CLOSE_PROTOCOL, LocalIdentity, handshake
-from protocol.codec import decode, encode
+from meshd.control.peers import CLOSE_PROTOCOL
+from protocol.codec import decode
 from protocol.messages import (
-    Capabilities,
     Fail,
     ForwardBatch,
-    NodeId,
-    Ping,
-    Pong,
     ResultBatch,
     Segment,
     SessionId,
 )
 from shards.manifest import Manifest
 from tests.fixtures.mesh import GiB, MAX_TOKENS, PROMPT
-from tests.meshlab import PORT, complete
+from tests.meshlab import complete
+from tests.sealed import sealed_peer
 
 pytestmark = pytest.mark.netns
 
@@ -103,53 +100,17 @@ def test_wrong_secret_and_other_mesh_stay_out(tiny_mesh):
 # -- a fake peer with the right secret ----------------------------------------------------
 
 
-class FakePeer:
-    """pytest as a peer: the real handshake over ``/mesh/ws``, then frames by hand."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, node_id: str):
-        self.ws = ws
-        self.node_id = node_id
-        self.replies: asyncio.Queue = asyncio.Queue()
-        self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    async def read(self) -> None:
-        """Answer pings (so the stage keeps the link), queue everything else."""
-        async for frame in self.ws:
-            if frame.type != aiohttp.WSMsgType.BINARY:
-                break
-            msg = decode(frame.data)
-            if isinstance(msg, Ping):
-                await self.ws.send_bytes(encode(Pong(msg.seq, msg.sent)))
-            else:
-                await self.replies.put(msg)
-        if not self.closed.done():
-            self.closed.set_result(self.ws.close_code)
-
-    async def reply_to(self, req: int, timeout: float = 15.0):
-        async with asyncio.timeout(timeout):
-            while True:
-                msg = await self.replies.get()
-                if isinstance(msg, (Fail, ResultBatch)) and msg.req == req:
-                    return msg
-
-
 @contextlib.asynccontextmanager
 async def fake_peer(url: str, secret: bytes, mesh: str):
-    node_id = "f" + secrets.token_hex(5)  # fresh: no daemon knows it
-    me = LocalIdentity(NodeId(node_id), "pytest-fake", mesh, secret)
-    # Advertises nothing: it must not win the election or be given layers.
-    caps = Capabilities(vram=0, ram=0, device="cpu", api_port=PORT, mem_budget=0, layer_ms=0.0)
+    """pytest as a member: the real handshake, then frames by hand. Advertises nothing
+    (no VRAM, no budget): it must not win the election or be given layers."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.ws_connect(url + "/mesh/ws", max_msg_size=64 << 20, compress=0) as ws:
-            await handshake(ws, me, caps)
-            peer = FakePeer(ws, node_id)
-            reader = asyncio.create_task(peer.read())
-            try:
-                yield peer
-            finally:
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
+        async with sealed_peer(http, url, secret, mesh=mesh) as peer:
+            yield peer
+
+
+async def reply_to(peer, req: int):
+    return await peer.next((Fail, ResultBatch), where=lambda m: m.req == req)
 
 
 def stage_peer(tiny_mesh):
@@ -170,7 +131,7 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
 
     async with fake_peer(target.url, secret, "lab") as peer:
         ids = {p["id"] for p in (await asyncio.to_thread(target.status))["peers"]}
-        assert peer.node_id in ids, "the handshake with the right secret should have made a link"
+        assert peer.me.node_id in ids, "the handshake with the right secret should have made a link"
         # The frame the pipeline sends (a decode row) of term 0 and of the term before
         # this one: both for a session nobody has.
         session = SessionId("made-up-" + secrets.token_hex(4))
@@ -178,8 +139,8 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
                   ForwardBatch(max(0, term - 1), 2, (Segment(session, 5, 1),), torch.randn(1, hidden))]
         stale_terms = sorted(f.term for f in frames)
         for frame in frames:
-            await peer.ws.send_bytes(encode(frame))
-            reply = await peer.reply_to(frame.req)
+            await peer.send(frame)
+            reply = await reply_to(peer, frame.req)
             assert isinstance(reply, Fail), \
                 f"a term-{frame.term} {type(frame).__name__} was run: {reply!r}" + mesh.fail_report([target])
         deadline = time.monotonic() + 10
@@ -196,8 +157,8 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
     with pytest.raises(ProtocolError):
         decode(junk)  # it really is no frame
     async with fake_peer(target.url, secret, "lab") as peer:
-        await peer.ws.send_bytes(junk)
-        code = await asyncio.wait_for(asyncio.shield(peer.closed), 10)
+        await peer.send_raw(junk)  # sealed: it opens, and is no frame
+        code = await peer.closed()
         assert code == CLOSE_PROTOCOL, f"link closed with {code}" + mesh.fail_report([target])
     assert target.log_events("link_protocol_error"), mesh.fail_report([target])
 

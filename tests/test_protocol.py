@@ -16,8 +16,10 @@ from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Accept,
+    ApiCancel,
+    ApiReply,
+    ApiRequest,
     Assignment,
-    Auth,
     Bye,
     Capabilities,
     Commit,
@@ -44,8 +46,8 @@ CAPS = Capabilities(
 HIDDEN = torch.randn(3, 576)
 
 SAMPLES = [
-    Hello(PROTOCOL_VERSION, NodeId("node-a"), "home", "box-a", b"\x00\xff" * 16, CAPS),
-    Auth(mac=bytes(range(32))),
+    Hello(PROTOCOL_VERSION, NodeId("node-a"), "home", "box-a", CAPS, plaintext=1),
+    ApiCancel(req=4),
     Ping(seq=7, sent=12345.678),
     Pong(seq=7, sent=12345.678),
     Bye(reason="shutting down"),
@@ -63,6 +65,8 @@ SAMPLES = [
     ResultBatch(term=3, req=10, hidden=HIDDEN * 3),
     Fail(term=3, req=9, reason="engine error"),
     Drop(term=3, session=SessionId("s1")),
+    ApiRequest(req=4, method="POST", path="/v1/completions", body=b'{"prompt": "hi"}', authorization="Bearer k"),
+    ApiReply(req=4, status=200, data=b"data: {}\n\n", end=1),
 ]
 
 
@@ -222,7 +226,7 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (HELLO, ("version",), -1, "outside"),
         (HELLO, ("node_id",), 5, "expected str"),
         (HELLO, ("node_id",), "", "empty id"),
-        (HELLO, ("nonce",), "abc", "expected bytes"),
+        (HELLO, ("plaintext",), 2, "outside"),
         (HELLO, ("caps",), [1, 2], "expected map"),
         (HELLO, ("caps", "vram"), "big", "hello.caps.vram"),
         (HELLO, ("caps", "layer_ms"), "fast", "finite float"),

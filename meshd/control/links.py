@@ -19,7 +19,8 @@ from aiohttp import web
 from meshd.config import Config
 from meshd.control.discovery import Advert, DiscoveryEvent, PeerGone, PeerSeen
 from meshd.control.mesh import MeshView
-from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, LocalIdentity, SelfLink, handshake, url_host
+from meshd.control.peers import CLOSE_AUTH, CLOSE_DUPLICATE, Link, url_host
+from meshd.control.secure import WIRE_MAX, LocalIdentity, SelfLink, handshake
 from meshd.errors import AuthError, PeerLost, ProtocolError
 from protocol.messages import Message, NodeId
 
@@ -59,35 +60,35 @@ class LinkKeeper:
                         with contextlib.suppress(PeerLost):
                             await link.call_ping()
 
-    def _dial_targets(self) -> list[tuple[str, str, int]]:
+    def _dial_targets(self) -> list[tuple[str, str, int, NodeId | None]]:
         targets = []
         linked_addrs = {(link.addr, link.caps.api_port) for link in self.view.live_links().values()}
         for advert in self.adverts.values():
             # One link per pair: the peer with the smaller id dials.
             if advert.node_id not in self.view.links and self.view.node_id < advert.node_id:
-                targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port))
+                targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port, advert.node_id))
         for addr in self.config.peer:
             host, _, port = addr.rpartition(":")
             if (host, int(port)) not in linked_addrs:
-                targets.append((addr, host, int(port)))
+                targets.append((addr, host, int(port), None))
         return targets
 
     async def connect_loop(self) -> None:
         while True:
             now = time.monotonic()
-            for key, host, port in self._dial_targets():
+            for key, host, port, expect in self._dial_targets():
                 if key in self._dialing or self._dial_after.get(key, 0) > now:
                     continue
                 self._dialing.add(key)
-                self.spawn(self._dial(key, host, port))
+                self.spawn(self._dial(key, host, port, expect))
             await asyncio.sleep(0.5)
 
-    async def _dial(self, key: str, host: str, port: int) -> None:
+    async def _dial(self, key: str, host: str, port: int, expect: NodeId | None) -> None:
         url = f"{'wss' if self.config.tls_cert else 'ws'}://{url_host(host)}:{port}/mesh/ws"
         try:
             try:
                 ws = await self._http().ws_connect(
-                    url, max_msg_size=self.config.max_frame_bytes, compress=0, autoping=True,
+                    url, max_msg_size=WIRE_MAX, compress=0, autoping=True,
                     timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
                 )
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -95,7 +96,8 @@ class LinkKeeper:
                 log.debug("dial_failed", url=url, error=str(exc))
                 return
             try:
-                hello = await handshake(ws, self.identity, self.view.caps)
+                hello, channel = await handshake(ws, self.identity, self.view.caps, initiator=True,
+                                                 max_frame=self.config.max_frame_bytes, expect=expect)
             except SelfLink:
                 self._dial_after[key] = float("inf")  # never again
                 await ws.close()
@@ -111,7 +113,7 @@ class LinkKeeper:
                 await ws.close()
                 return
             self._dial_after.pop(key, None)
-            await self._serve_link(Link(ws, hello, host, True, self.config.max_frame_bytes))
+            await self._serve_link(Link(ws, hello, channel, host, True, self.config.max_frame_bytes))
         finally:
             self._dialing.discard(key)
 
@@ -120,10 +122,13 @@ class LinkKeeper:
         self._dial_after[key] = time.monotonic() + wait
 
     async def ws_handler(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, compress=False, autoping=True)
+        # Every message is one sealed piece, so the limit is the same before and after
+        # the handshake: a stranger cannot make us buffer more than WIRE_MAX.
+        ws = web.WebSocketResponse(max_msg_size=WIRE_MAX, compress=False, autoping=True)
         await ws.prepare(request)
         try:
-            hello = await handshake(ws, self.identity, self.view.caps)
+            hello, channel = await handshake(ws, self.identity, self.view.caps, initiator=False,
+                                             max_frame=self.config.max_frame_bytes)
         except SelfLink:
             await ws.close()
             return ws
@@ -134,7 +139,7 @@ class LinkKeeper:
         except (ConnectionError, TimeoutError) as exc:
             log.info("handshake_failed", addr=request.remote, reason=str(exc))
             return ws
-        await self._serve_link(Link(ws, hello, request.remote or "", False, self.config.max_frame_bytes))
+        await self._serve_link(Link(ws, hello, channel, request.remote or "", False, self.config.max_frame_bytes))
         return ws
 
     async def _serve_link(self, link: Link) -> None:

@@ -1,36 +1,31 @@
-"""Peer links: one authenticated WebSocket per pair of peers at /mesh/ws.
+"""Peer links: one authenticated, sealed WebSocket per pair of peers at /mesh/ws.
 
-Handshake: both sides send Hello (version, node id, mesh, a fresh nonce,
-capabilities), then each proves it holds the mesh secret with
-HMAC-SHA256(secret, tag | peer's nonce | sender id | receiver id). A link that
-fails is closed with a reason and never sees a model frame. The read loop here
-is one of the three places errors are caught: a ProtocolError closes this one
-link, with its reason, and nothing else.
+The handshake and the sealing of frames are ``meshd.control.secure``'s (Noise
+with the mesh secret as pre-shared key); a Link only ever sees frames that
+opened under its key. The read loop here is one of the three places errors are
+caught: a ProtocolError closes this one link, with its reason, and nothing else;
+a piece that does not open (injected, replayed) is dropped and logged.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import itertools
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from enum import Enum
 
 import aiohttp
 import structlog
 import torch
-from aiohttp import WSMsgType, web
+from aiohttp import WSMsgType
 
-from meshd.errors import AuthError, PeerLost, ProtocolError, StageFailed
+from meshd.control.secure import WS, Channel, Forged
+from meshd.errors import PeerLost, ProtocolError, StageFailed
 from protocol.codec import decode, encode
 from protocol.messages import (
-    PROTOCOL_VERSION,
-    Auth,
+    ApiReply,
     Bye,
     Drop,
     Fail,
@@ -46,8 +41,6 @@ from protocol.messages import (
 
 log = structlog.get_logger()
 
-AUTH_TAG = b"meshd-auth-v1"
-HANDSHAKE_TIMEOUT_S = 5.0
 # WebSocket close codes in the private range, so a peer's log says why.
 CLOSE_AUTH = 4001
 CLOSE_PROTOCOL = 4002
@@ -59,63 +52,6 @@ CLOSE_BYE = 4005
 class LinkState(Enum):
     READY = "ready"
     CLOSED = "closed"
-
-
-class SelfLink(AuthError):
-    """The address dialed is this peer itself (a static peer list that names us)."""
-
-
-def auth_mac(secret: bytes, nonce: bytes, sender: str, receiver: str) -> bytes:
-    msg = AUTH_TAG + b"|" + nonce + b"|" + sender.encode() + b"|" + receiver.encode()
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-@dataclass(frozen=True, slots=True)
-class LocalIdentity:
-    node_id: NodeId
-    name: str
-    mesh: str
-    secret: bytes
-
-    def hello(self, caps) -> Hello:
-        return Hello(PROTOCOL_VERSION, self.node_id, self.mesh, self.name, os.urandom(16), caps)
-
-
-WS = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
-
-
-async def _receive(ws: WS, timeout: float) -> Message:
-    msg = await ws.receive(timeout=timeout)
-    if msg.type != WSMsgType.BINARY:
-        raise ProtocolError(f"expected a binary frame during the handshake, got {msg.type.name}")
-    return decode(msg.data)
-
-
-async def handshake(ws: WS, me: LocalIdentity, caps) -> Hello:
-    """Run both halves of the handshake; returns the authenticated peer's Hello."""
-    mine = me.hello(caps)
-    await ws.send_bytes(encode(mine))
-    try:
-        theirs = await _receive(ws, HANDSHAKE_TIMEOUT_S)
-        if not isinstance(theirs, Hello):
-            raise ProtocolError(f"expected Hello, got {type(theirs).__name__}")
-        if theirs.version != PROTOCOL_VERSION:
-            raise AuthError(f"protocol version {theirs.version}, this peer speaks {PROTOCOL_VERSION}")
-        if theirs.mesh != me.mesh:
-            raise AuthError(f"mesh {theirs.mesh!r} is not this peer's mesh {me.mesh!r}")
-        if theirs.node_id == me.node_id:
-            raise SelfLink("a link to ourselves")
-        if len(theirs.nonce) < 16:
-            raise AuthError("nonce too short")
-        await ws.send_bytes(encode(Auth(auth_mac(me.secret, theirs.nonce, me.node_id, theirs.node_id))))
-        proof = await _receive(ws, HANDSHAKE_TIMEOUT_S)
-    except TimeoutError:
-        raise AuthError("handshake timed out") from None
-    if not isinstance(proof, Auth):
-        raise ProtocolError(f"expected Auth, got {type(proof).__name__}")
-    if not hmac.compare_digest(proof.mac, auth_mac(me.secret, mine.nonce, theirs.node_id, me.node_id)):
-        raise AuthError("authentication failed: wrong mesh secret")
-    return theirs
 
 
 def url_host(addr: str) -> str:
@@ -131,8 +67,9 @@ class Link:
     """An authenticated link to one peer; calls out (``call_*``), and feeds incoming
     messages to the node's handler."""
 
-    def __init__(self, ws: WS, hello: Hello, addr: str, dialed: bool, max_frame: int):
+    def __init__(self, ws: WS, hello: Hello, channel: Channel, addr: str, dialed: bool, max_frame: int):
         self.ws = ws
+        self.channel = channel
         self.hello = hello
         self.peer_id: NodeId = hello.node_id
         self.addr = addr
@@ -147,6 +84,7 @@ class Link:
         self._req = itertools.count(1)
         self._ping = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self.api_replies: dict[int, asyncio.Queue] = {}  # tunneled requests we sent, by req
         self._send_lock = asyncio.Lock()
         self._delay = (0.0, 0.0)
         self._last_due = 0.0
@@ -177,12 +115,13 @@ class Link:
         if self._delay[0] > 0:
             await self._delayed()
         try:
-            async with self._send_lock:
-                await self.ws.send_bytes(data)
+            async with self._send_lock:  # sealed in send order: the nonce counter is the order
+                for piece in self.channel.seal(data):
+                    await self.ws.send_bytes(piece)
+                    self.bytes_sent += len(piece)
         except (ConnectionError, RuntimeError, aiohttp.ClientError) as exc:
             await self.close(f"send failed: {exc}", CLOSE_LOST)
             raise PeerLost(f"send to {self.peer_id} failed: {exc}") from None
-        self.bytes_sent += len(data)
 
     # -- outgoing calls ------------------------------------------------------
 
@@ -203,6 +142,9 @@ class Link:
     async def call_ping(self) -> None:
         await self.send(Ping(next(self._ping), time.monotonic()))
 
+    def next_req(self) -> int:
+        return next(self._req)
+
     # -- incoming ------------------------------------------------------------
 
     async def read_loop(self, handle: Callable[[Link, Message], Awaitable[None]]) -> None:
@@ -214,9 +156,16 @@ class Link:
                     if frame.type == WSMsgType.ERROR:
                         raise PeerLost(f"socket error: {self.ws.exception()}")
                     raise ProtocolError(f"unexpected {frame.type.name} frame")
-                self.last_heard = time.monotonic()
                 self.bytes_received += len(frame.data)
-                msg = decode(frame.data, max_size=self.max_frame)
+                try:
+                    data = self.channel.open(frame.data)
+                except Forged as exc:
+                    log.warning("link_piece_dropped", peer=self.peer_id, reason=str(exc), dropped=self.channel.forged)
+                    continue
+                if data is None:
+                    continue
+                self.last_heard = time.monotonic()
+                msg = decode(data, max_size=self.max_frame)
                 match msg:
                     case Ping(seq=seq, sent=sent):
                         await self.send(Pong(seq, sent))
@@ -226,6 +175,9 @@ class Link:
                         self._settle(req, hidden)
                     case Fail(req=req, reason=reason):
                         self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))
+                    case ApiReply(req=req):
+                        if (queue := self.api_replies.get(req)) is not None:
+                            queue.put_nowait(msg)
                     case Bye(reason=reason):
                         await self.close(f"peer left: {reason}", CLOSE_BYE)
                     case _:
@@ -261,6 +213,8 @@ class Link:
             if not future.done():
                 future.set_exception(PeerLost(f"{self.peer_id}: {reason}"))
         self._pending.clear()
+        for queue in self.api_replies.values():
+            queue.put_nowait(PeerLost(f"{self.peer_id}: {reason}"))
         log.info("link_closed", peer=self.peer_id, reason=reason)
         try:
             await asyncio.wait_for(self.ws.close(code=code, message=reason[:120].encode()), 1.0)

@@ -1,8 +1,14 @@
 """Shard transfer between peers: a peer that lacks the files of its span fetches
-exactly those over HTTP from a peer that has them, checked by sha256.
+exactly those over HTTP from a peer that has them, checked by sha256 against the
+manifest (whose digest comes over the sealed link in the Plan).
 
-Requests carry an HMAC over (node id, time, path) with the mesh secret, so only
-members of the mesh can read its weights.
+Each request carries ``X-Meshd-Auth: NODE:TIME:NONCE:MAC``, an HMAC-SHA256 under a
+key derived from the mesh secret over (method, path, body hash, node, time, nonce):
+only members read the mesh's weights, a token is good for one request within
+``MAX_AGE_S`` of its time (never ahead of the clock by more than ``MAX_AHEAD_S``),
+and its nonce is remembered until then, so a captured token cannot be replayed.
+Bulk weights stay on HTTP rather than the link so a transfer never holds up a
+decode frame; they are public model weights, integrity is the manifest's sha256.
 """
 
 from __future__ import annotations
@@ -10,41 +16,70 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import aiohttp
 import structlog
 from aiohttp import web
 
+from meshd.control.secure import files_key
 from meshd.errors import ModelError, ShardCorrupt, ShardMissing
 from shards.manifest import MANIFEST_FILE, Manifest, check_file_name
 
 log = structlog.get_logger()
 
-FILES_TAG = b"meshd-files-v1"
+FILES_TAG = b"meshd-files-v2"
 AUTH_HEADER = "X-Meshd-Auth"
-MAX_SKEW_S = 300
+MAX_AGE_S = 60  # a token's life, and how long its nonce is remembered
+MAX_AHEAD_S = 10  # clock skew between peers that is tolerated
+MAX_REMEMBERED = 65536  # nonces held at once (only valid tokens are remembered)
+_TOKEN = re.compile(r"([A-Za-z0-9_.-]{1,64}):([0-9]{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
 _CHUNK = 1 << 20
 
 
-def files_token(secret: bytes, node_id: str, path: str, now: float | None = None) -> str:
+def _mac(key: bytes, method: str, path: str, body: bytes, node_id: str, ts: str, nonce: str) -> str:
+    parts = [FILES_TAG, method.encode(), path.encode(), hashlib.sha256(body).hexdigest().encode(),
+             node_id.encode(), ts.encode(), nonce.encode()]
+    return hmac.new(key, b"\n".join(parts), hashlib.sha256).hexdigest()
+
+
+def files_token(secret: bytes, node_id: str, path: str, method: str = "GET", body: bytes = b"",
+                now: float | None = None) -> str:
     ts = str(int(now if now is not None else time.time()))
-    mac = hmac.new(secret, b"|".join([FILES_TAG, node_id.encode(), ts.encode(), path.encode()]), hashlib.sha256)
-    return f"{node_id}:{ts}:{mac.hexdigest()}"
+    nonce = os.urandom(16).hex()
+    return f"{node_id}:{ts}:{nonce}:{_mac(files_key(secret), method, path, body, node_id, ts, nonce)}"
 
 
-def check_files_token(secret: bytes, token: str, path: str) -> str:
-    """The requesting node id, or web.HTTPForbidden."""
-    try:
-        node_id, ts, _mac = token.split(":")
-        fresh = abs(time.time() - int(ts)) <= MAX_SKEW_S
-    except ValueError:
-        raise web.HTTPForbidden(reason="malformed mesh token") from None
-    expected = files_token(secret, node_id, path, now=int(ts))
-    if not fresh or not hmac.compare_digest(expected, token):
-        raise web.HTTPForbidden(reason="bad or stale mesh token")
-    return node_id
+class TokenCheck:
+    """The receiving side: one per node, it remembers the nonces it has taken."""
+
+    def __init__(self, secret: bytes):
+        self._key = files_key(secret)
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it expires, oldest first
+
+    def check(self, token: str | None, method: str, path: str, body: bytes = b"") -> str:
+        """The requesting node id, else ``web.HTTPUnauthorized`` (never anything else:
+        a header that is not ASCII, not the shape, stale, forged or replayed alike)."""
+        now = time.time()
+        m = _TOKEN.fullmatch(token) if token and token.isascii() else None
+        if m is None:
+            raise web.HTTPUnauthorized(reason="missing or malformed mesh token")
+        node_id, ts, nonce, mac = m.groups()
+        if not -MAX_AHEAD_S <= now - int(ts) <= MAX_AGE_S:
+            raise web.HTTPUnauthorized(reason="stale mesh token (are the peers' clocks set?)")
+        if not hmac.compare_digest(mac, _mac(self._key, method, path, body, node_id, ts, nonce)):
+            raise web.HTTPUnauthorized(reason="bad mesh token")
+        while self._seen and next(iter(self._seen.values())) < now:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            raise web.HTTPUnauthorized(reason="mesh token replayed")
+        if len(self._seen) >= MAX_REMEMBERED:
+            raise web.HTTPServiceUnavailable(reason="too many mesh requests at once")
+        self._seen[nonce] = now + MAX_AGE_S + MAX_AHEAD_S
+        return node_id
 
 
 def files_path(model: str, name: str) -> str:

@@ -14,7 +14,6 @@ import json
 import structlog
 from aiohttp import web
 
-from meshd.control.transfer import AUTH_HEADER, check_files_token
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, Daemon
@@ -71,18 +70,6 @@ def _bearer(request: web.Request) -> str | None:
     return value[7:].strip() if value.lower().startswith("bearer ") else None
 
 
-def _mesh_peer(request: web.Request) -> bool:
-    """A request a peer forwarded for a client it authenticated itself."""
-    token = request.headers.get(AUTH_HEADER)
-    if not token:
-        return False
-    try:
-        check_files_token(request.app[NODE].secret, token, request.path)
-    except web.HTTPForbidden:
-        return False
-    return True
-
-
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
@@ -92,11 +79,13 @@ async def auth_middleware(request: web.Request, handler):
         keys = node.api_keys
         if request.path.startswith("/v1/mesh/"):
             keys = node.control_keys or node.api_keys
-        if keys and not _mesh_peer(request):
+        if keys:
             given = _bearer(request)
             if given is None:
                 return error_response("this endpoint needs an API key: Authorization: Bearer KEY", 401)
-            if not any(hmac.compare_digest(given, k) for k in keys):
+            # as bytes: compare_digest refuses str with non-ASCII (a 500 for a stray header)
+            raw = given.encode("utf-8", "surrogateescape")
+            if not any(hmac.compare_digest(raw, k.encode()) for k in keys):
                 return error_response("invalid API key", 403 if request.path.startswith("/v1/mesh/") else 401)
     return await handler(request)
 
@@ -251,8 +240,7 @@ async def drain(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("node"), str):
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
     if not node.view.is_supernode:
-        base = await node.supernode_base_url()
-        async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
+        async with node.supernode_post(request.path, body) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 

@@ -3,7 +3,7 @@ node, as Protocols: the node satisfies them, and nothing in serving/ imports it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import AsyncContextManager, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -26,11 +26,11 @@ class Upstream(Protocol):
 
     def current_term(self) -> int: ...
 
-    async def supernode_base_url(self) -> str: ...
+    def supernode_post(self, path: str, body: object, authorization: str = "",
+                       timeout: aiohttp.ClientTimeout | None = None) -> AsyncContextManager:
+        """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
     async def wait_new_term(self, term: int) -> None: ...
-
-    def mesh_auth(self, path: str) -> dict[str, str]: ...
 
 
 class Daemon(Upstream, Protocol):

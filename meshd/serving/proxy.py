@@ -80,13 +80,13 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
         if resubmits:
             upstream_body["meshd_resume"] = answer.ids[0]
         term = node.current_term()
-        url = await node.supernode_base_url() + request.path
         # The supernode streams at least a keepalive each second; silence for
         # as long as the heartbeat allows means it is hung or cut off.
         silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
         try:
-            async with node.http.post(url, json=upstream_body, timeout=silence,
-                                      headers=node.mesh_auth(request.path)) as up:
+            # Over the sealed link (the client's own key goes along: the supernode's keys apply).
+            async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""),
+                                           silence) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
                     payload = await up.read()

@@ -53,9 +53,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level")
     run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
     run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
-    run.add_argument("--tls-cert", type=Path, help="certificate for the API and peer links")
+    run.add_argument("--tls-cert", type=Path, help="certificate: serve the API over HTTPS (peer links then use wss)")
     run.add_argument("--tls-key", type=Path)
-    run.add_argument("--tls-ca", type=Path, help="CA to verify peers' certificates")
+    run.add_argument("--tls-ca", type=Path, help="CA that peers' HTTPS certificates must chain to")
+    run.add_argument("--debug-plaintext-links", action="store_const", const=True,
+                     help="DEBUGGING ONLY, every peer alike: send peer frames unencrypted (still authenticated)")
     run.add_argument("--debug-layer-delay-ms", type=float, help=argparse.SUPPRESS)
     run.add_argument("--debug-link-delay-ms", type=float, help=argparse.SUPPRESS)
     run.add_argument("--debug-link-jitter-ms", type=float, help=argparse.SUPPRESS)

@@ -1,0 +1,161 @@
+"""Member-to-member API calls over the sealed link instead of plain HTTP.
+
+An entry peer that is not the supernode hands a client's request to it as an
+``ApiRequest`` on their link; the supernode runs it against its own API on
+loopback (with the client's own ``Authorization``, so its API keys apply as if
+the client had come straight to it) and streams the answer back as ``ApiReply``
+pieces. Prompts, answers and token ids thus cross the LAN only sealed; a peer
+without API keys cannot let a client past the supernode's. ``ApiCancel`` stops a
+request whose client went away (the supernode's handler is cancelled and its
+sessions freed).
+
+On the calling side ``call`` gives an object that reads like aiohttp's response
+(``status``, ``read()``, ``content`` line by line), and its failures are the
+ones aiohttp raises, so the proxy's retry logic does not care which way it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import structlog
+
+from meshd.control.peers import Link
+from meshd.errors import PeerLost
+from protocol.messages import ApiCancel, ApiReply, ApiRequest
+
+log = structlog.get_logger()
+
+# What a member may ask of the supernode's API through the tunnel.
+TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain"})
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+
+
+class TunnelResponse:
+    """The calling side's view of one tunneled answer."""
+
+    def __init__(self, link: Link, req: int, queue: asyncio.Queue, sock_read: float | None):
+        self._link, self._req, self._queue, self._sock_read = link, req, queue, sock_read
+        self.status = 0
+        self.ended = False
+        self._first: bytes = b""
+        self.content = self.lines()  # as aiohttp's response offers it: the body, line by line
+
+    async def _piece(self) -> bytes:
+        try:
+            reply = await asyncio.wait_for(self._queue.get(), self._sock_read)
+        except TimeoutError:
+            raise asyncio.TimeoutError(f"no word from {self._link.peer_id} for {self._sock_read} s") from None
+        if isinstance(reply, PeerLost):
+            raise aiohttp.ClientConnectionError(str(reply))
+        self.status = reply.status
+        self.ended = bool(reply.end)
+        return reply.data
+
+    async def start(self) -> None:
+        self._first = await self._piece()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self._first:
+            yield self._first
+            self._first = b""
+        while not self.ended:
+            data = await self._piece()
+            if data:
+                yield data
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        buf = b""
+        async for data in self.chunks():
+            buf += data
+            *whole, buf = buf.split(b"\n")
+            for line in whole:
+                yield line + b"\n"
+        if buf:
+            yield buf
+
+
+@contextlib.asynccontextmanager
+async def call(link: Link, method: str, path: str, body: bytes, authorization: str = "",
+               sock_read: float | None = None) -> AsyncIterator[TunnelResponse]:
+    req = link.next_req()
+    queue: asyncio.Queue = asyncio.Queue()
+    link.api_replies[req] = queue
+    resp = TunnelResponse(link, req, queue, sock_read)
+    try:
+        try:
+            await link.send(ApiRequest(req, method, path, body, authorization))
+        except PeerLost as exc:
+            raise aiohttp.ClientConnectionError(str(exc)) from None
+        await resp.start()
+        yield resp
+    finally:
+        link.api_replies.pop(req, None)
+        if not resp.ended and link.alive:
+            with contextlib.suppress(PeerLost):
+                await link.send(ApiCancel(req))
+
+
+class TunnelServer:
+    """The supernode's side: runs tunneled requests against its own API on loopback."""
+
+    def __init__(self, http: Callable[[], aiohttp.ClientSession], own_url: Callable[[], str],
+                 drain: Callable[[bytes], Awaitable[tuple[int, bytes]]], spawn: Callable):
+        self._http, self._own_url, self._drain, self._spawn = http, own_url, drain, spawn
+        self._running: dict[tuple[str, int], asyncio.Task] = {}
+
+    def on_request(self, link: Link, msg: ApiRequest) -> None:
+        key = (link.peer_id, msg.req)
+        if key in self._running:
+            return  # a repeated req number from a member: the first one stands
+        task = self._spawn(self._serve(link, msg))
+        self._running[key] = task
+        task.add_done_callback(lambda _t: self._running.pop(key, None))
+
+    def on_cancel(self, link: Link, msg: ApiCancel) -> None:
+        task = self._running.get((link.peer_id, msg.req))
+        if task is not None:
+            task.cancel()
+
+    async def _serve(self, link: Link, msg: ApiRequest) -> None:
+        try:
+            if msg.method != "POST" or msg.path not in TUNNELED:
+                await link.send(ApiReply(msg.req, 404, b'{"error": {"message": "not through the tunnel"}}', 1))
+            elif not _HEADER_VALUE.fullmatch(msg.authorization):
+                await link.send(ApiReply(msg.req, 400, b'{"error": {"message": "malformed Authorization"}}', 1))
+            elif msg.path == "/v1/mesh/drain":  # a member asks: no control key, as it is one of us
+                status, body = await self._drain(msg.body)
+                await link.send(ApiReply(msg.req, status, body, 1))
+            else:
+                await self._loopback(link, msg)
+        except PeerLost:
+            pass  # the caller is gone; nobody to answer
+        except asyncio.CancelledError:
+            log.info("tunnel_cancelled", peer=link.peer_id, req=msg.req)
+            raise
+
+    async def _loopback(self, link: Link, msg: ApiRequest) -> None:
+        headers = {"Content-Type": "application/json"}
+        if msg.authorization:
+            headers["Authorization"] = msg.authorization
+        status = 502
+        try:
+            async with self._http().post(self._own_url() + msg.path, data=msg.body, headers=headers, ssl=False,
+                                         timeout=aiohttp.ClientTimeout(total=None, connect=5)) as up:
+                status = up.status
+                await link.send(ApiReply(msg.req, status, b""))
+                async for data in up.content.iter_any():
+                    await link.send(ApiReply(msg.req, status, data))
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            log.warning("tunnel_loopback_failed", error=str(exc))
+            if status == 502:
+                await link.send(ApiReply(msg.req, 502, b'{"error": {"message": "the supernode failed"}}', 1))
+                return
+        await link.send(ApiReply(msg.req, status, b"", 1))
