@@ -332,6 +332,8 @@ class Node:
         """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
         tunnel), or on loopback when this peer is the supernode. Yields a response
         with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
+        if not tunnel.plain_header(authorization):
+            raise BadRequest("malformed Authorization header (printable ASCII only)", 401)
         await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
         data = json.dumps(body).encode()
         if self.view.is_supernode:

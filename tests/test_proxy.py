@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
+from meshd.control.transfer import AUTH_HEADER, files_path, files_token
 from tests.fixtures.api import PROMPT, greedy, post
 from tests.fixtures.daemon import running_node
 from tests.meshlab import greedy_reference
@@ -97,3 +98,66 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert token_ids(events) == want
         assert [e for e in logs if e.get("event") == "proxy_resubmit"], "the stream did not survive a resubmit"
         assert entry.node.view.is_supernode and entry.node.current_term() > term
+
+
+async def raw_status(url: str, request: bytes) -> int:
+    """The status of one raw HTTP/1.1 request (bytes a client library would refuse to send)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 10)
+        return int(line.split()[1])
+    finally:
+        writer.close()
+
+
+async def test_forwarded_requests_meet_the_supernodes_keys_and_file_tokens_are_single_use(tiny_model_dir, tmp_path):
+    """The entry peer has no API-key file; the supernode has one. A request through the
+    entry (over the sealed link) meets the supernode's keys as a direct one would. Shard-file
+    tokens: good once, for their own path only; a malformed (non-ASCII) one is a 401, not a 500.
+    A client that hangs up mid-stream through the entry frees its session on the supernode."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-" + secrets.token_hex(8) + "\n")
+    key = keys.read_text().strip()
+    async with pair(tiny_model_dir, tmp_path, api_key_file=keys, debug_layer_delay_ms=5.0) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            status, data = await post(http, entry.url, greedy(max_tokens=4))
+            assert status == 401 and "API key" in data["error"]["message"], (status, data)
+            async with http.post(entry.url + "/v1/completions", json=greedy(max_tokens=4),
+                                 headers={"Authorization": "Bearer wrong"}) as resp:
+                assert resp.status == 401
+            async with http.post(entry.url + "/v1/completions", json=greedy(max_tokens=6),
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+                via = await resp.json()
+                assert resp.status == 200, via
+            async with http.post(sup.url + "/v1/completions", json=greedy(max_tokens=6),
+                                 headers={"Authorization": f"Bearer {key}"}) as resp:
+                assert (await resp.json())["choices"][0]["token_ids"] == via["choices"][0]["token_ids"]
+
+            model = sup.node.store.manifest.name
+            path = files_path(model, "manifest.json")
+            token = files_token(sup.node.secret, entry.node.node_id, path)
+            async with http.get(sup.url + path, headers={AUTH_HEADER: token}) as resp:
+                assert resp.status == 200
+            for headers in ({AUTH_HEADER: token},  # replayed
+                            {AUTH_HEADER: files_token(sup.node.secret, entry.node.node_id, path + "x")},
+                            {AUTH_HEADER: files_token(b"not the secret at all", entry.node.node_id, path)},
+                            {}):
+                async with http.get(sup.url + path, headers=headers) as resp:
+                    assert resp.status in (401, 404), (headers, resp.status)
+            weird = f"GET {path} HTTP/1.1\r\nHost: x\r\n{AUTH_HEADER}: ".encode() + "nœud:1:é".encode() + b"\r\n\r\n"
+            assert await raw_status(sup.url, weird) == 401
+            weird = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nAuthorization: Bearer \xc3\xa9\xff\r\n\r\n{}"
+            assert await raw_status(entry.url, weird) in (400, 401)
+            assert await raw_status(sup.url, weird) == 401
+
+            # A client gone mid-stream: the supernode's request is cancelled through the link.
+            with capture_logs() as logs:
+                async with http.post(entry.url + "/v1/completions", json=greedy(max_tokens=200) | {"stream": True},
+                                     headers={"Authorization": f"Bearer {key}"}) as resp:
+                    assert resp.status == 200
+                    await resp.content.readline()
+                await until(lambda: not sup.node.scheduler.active, timeout=10)
+            assert [e for e in logs if e.get("event") == "tunnel_cancelled"], "the supernode never heard"

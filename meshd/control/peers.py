@@ -21,7 +21,7 @@ import structlog
 import torch
 from aiohttp import WSMsgType
 
-from meshd.control.secure import WS, Channel, Forged
+from meshd.control.secure import CLOSE_AUTH, WS, Channel, Forged  # noqa: F401 (CLOSE_AUTH: the handshake's code, listed with ours)
 from meshd.errors import PeerLost, ProtocolError, StageFailed
 from protocol.codec import decode, encode
 from protocol.messages import (
@@ -42,7 +42,6 @@ from protocol.messages import (
 log = structlog.get_logger()
 
 # WebSocket close codes in the private range, so a peer's log says why.
-CLOSE_AUTH = 4001
 CLOSE_PROTOCOL = 4002
 CLOSE_DUPLICATE = 4003
 CLOSE_LOST = 4004

@@ -54,6 +54,7 @@ HANDSHAKE_TIMEOUT_S = 5.0  # the whole handshake, from the socket's upgrade
 CHUNK = 16 * 1024  # frame bytes per sealed piece
 _TAG = 16  # Poly1305
 _LAST, _MORE = 1, 0  # a piece's first (sealed) byte: does the frame end here
+CLOSE_AUTH = 4001  # the WebSocket close code of a refused handshake
 WIRE_MAX = CHUNK + 64  # every peer socket's max_msg_size (a piece is CHUNK + 17), before authentication too
 
 WS = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
@@ -156,6 +157,8 @@ async def _receive(ws: WS) -> bytes:
     msg = await ws.receive()
     if msg.type == WSMsgType.BINARY:
         return msg.data
+    if msg.type == WSMsgType.CLOSE and ws.close_code == CLOSE_AUTH:
+        raise AuthError(f"the peer refused the handshake: {msg.extra or 'no reason given'}")
     if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
         raise ConnectionError(f"closed during the handshake ({ws.close_code})")
     if msg.type == WSMsgType.ERROR:

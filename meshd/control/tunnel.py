@@ -35,6 +35,11 @@ TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
 
 
+def plain_header(value: str) -> bool:
+    """Printable ASCII of a sane length: what an Authorization header may be, to travel on."""
+    return _HEADER_VALUE.fullmatch(value) is not None
+
+
 class TunnelResponse:
     """The calling side's view of one tunneled answer."""
 
@@ -128,7 +133,7 @@ class TunnelServer:
         try:
             if msg.method != "POST" or msg.path not in TUNNELED:
                 await link.send(ApiReply(msg.req, 404, b'{"error": {"message": "not through the tunnel"}}', 1))
-            elif not _HEADER_VALUE.fullmatch(msg.authorization):
+            elif not plain_header(msg.authorization):
                 await link.send(ApiReply(msg.req, 400, b'{"error": {"message": "malformed Authorization"}}', 1))
             elif msg.path == "/v1/mesh/drain":  # a member asks: no control key, as it is one of us
                 status, body = await self._drain(msg.body)
@@ -153,7 +158,8 @@ class TunnelServer:
                 await link.send(ApiReply(msg.req, status, b""))
                 async for data in up.content.iter_any():
                     await link.send(ApiReply(msg.req, status, data))
-        except (aiohttp.ClientError, ConnectionError) as exc:
+        except (aiohttp.ClientError, ConnectionError, TimeoutError, RuntimeError) as exc:
+            # RuntimeError: the session closed under us at shutdown. Only this request fails.
             log.warning("tunnel_loopback_failed", error=str(exc))
             if status == 502:
                 await link.send(ApiReply(msg.req, 502, b'{"error": {"message": "the supernode failed"}}', 1))
