@@ -2,7 +2,8 @@
 keepers that name each other as static peers end with one authenticated link between
 them, which stays, with an RTT measured; a peer that goes silent is lost
 after the missed heartbeats, one that closes its socket at once, each with its reason
-in the view and told to the leader's ``on_lost``."""
+in the view and told to the leader's ``on_lost``. Plain-text frames only when both ends
+run ``--debug-plaintext-links``; a dialer told (by mDNS) it reaches one node refuses another."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 from aiohttp import web
 
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
 from meshd.control.secure import LocalIdentity, handshake
+from meshd.errors import AuthError
 from protocol.messages import NodeId
 from tests.inproc import Tasks, caps, config, until
 
@@ -39,7 +42,8 @@ async def keeper(tmp_path, node_id: str, port: int, peers: tuple[str, ...] = (),
     tasks = Tasks()
     joined, lost = [], []
     async with aiohttp.ClientSession() as http:
-        k = LinkKeeper(cfg, view, LocalIdentity(NodeId(node_id), node_id, "home", SECRET), lambda: http,
+        me = LocalIdentity(NodeId(node_id), node_id, "home", SECRET, plaintext=cfg.debug_plaintext_links)
+        k = LinkKeeper(cfg, view, me, lambda: http,
                        tasks.spawn, handle=_ignore, on_joined=joined.append,
                        on_lost=lambda peer, reason: lost.append((peer, reason)))
         app = web.Application()
@@ -96,3 +100,33 @@ async def test_a_silent_peer_is_lost_after_the_missed_beats_a_closed_one_at_once
             await until(lambda: len(a.lost) == 2, timeout=0.5)
             peer, reason = a.lost[1]
             assert peer == "cccc" and "socket closed" in reason and a.view.lost["cccc"].reason == reason
+
+
+async def test_plaintext_links_need_both_ends_and_a_dialer_checks_who_answers(tmp_path):
+    pa, pb, pc = free_port(), free_port(), free_port()
+    with capture_logs() as logs:
+        async with keeper(tmp_path, "aaaa", pa, peers=(f"127.0.0.1:{pb}",), debug_plaintext_links=True) as a, \
+                keeper(tmp_path, "bbbb", pb) as b:
+            await until(lambda: any("plaintext" in e.get("reason", "") for e in logs
+                                    if e.get("event") == "peer_refused"), timeout=10)
+            assert not a.view.links and not b.view.links
+    async with keeper(tmp_path, "cccc", pc, peers=(f"127.0.0.1:{pa}",), debug_plaintext_links=True) as c, \
+            keeper(tmp_path, "aaab", pa, debug_plaintext_links=True) as a:
+        await until(lambda: "aaab" in c.view.links and "cccc" in a.view.links)
+        link = c.view.links["aaab"]
+        assert link.channel.plaintext
+        # In clear: the frame's own msgpack is what goes on the wire.
+        sent = []
+        real = link.ws.send_bytes
+
+        async def spy(data, *args, **kw):
+            sent.append(bytes(data))
+            return await real(data, *args, **kw)
+
+        link.ws.send_bytes = spy
+        await link.call_ping()
+        assert sent and b"ping" in sent[0]
+        async with aiohttp.ClientSession() as http, http.ws_connect(a.url + "/mesh/ws") as ws:
+            with pytest.raises(AuthError, match="relay"):
+                me = LocalIdentity(NodeId("dddd"), "d", "home", SECRET, plaintext=True)
+                await handshake(ws, me, caps(), initiator=True, max_frame=1 << 20, expect=NodeId("eeee"))
