@@ -10,12 +10,14 @@ forwarded to the other), a replay of beta's recorded handshake and frames, a ref
 alpha's own answer. What it must show: the outsider gets no byte of a Hello or a frame and
 nothing changes (both daemons keep their one real link, term and plan as they were, the
 same tokens after); the capture of a whole generation, asked of beta (so the request
-crosses to the supernode too), holds neither the prompt nor any frame in clear.
+crosses to the supernode too), holds neither the prompt nor any frame in clear, while the
+same capture of a pair running ``--debug-plaintext-links`` reads all of it (the control).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import struct
@@ -178,18 +180,18 @@ class Relay:
 # -- the lab ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def relayed(netlab_session, tiny_model_dir, tmp_path_factory):
+@contextlib.contextmanager
+def relayed_pair(tiny_model_dir, workdir, extra: tuple[str, ...] = ()):
     lab = Lab()
     relay = None
     try:
-        mesh = MeshLab(lab, tmp_path_factory.mktemp("relayed"))
+        mesh = MeshLab(lab, workdir)
         h_alpha, h_beta = lab.add_host(), lab.add_host()
         relay = Relay((mesh.uplink, PORT), (h_alpha.addr, PORT))
         alpha = mesh.start(h_alpha, name="alpha", model=str(tiny_model_dir), vram=8 * GiB, mdns=False,
-                           layer_delay_ms=LAYER_DELAY_MS)
+                           layer_delay_ms=LAYER_DELAY_MS, extra=extra)
         beta = mesh.start(h_beta, name="beta", model=str(tiny_model_dir), vram=4 * GiB, mdns=False,
-                          peers=(f"{mesh.uplink}:{PORT}",), layer_delay_ms=LAYER_DELAY_MS)
+                          peers=(f"{mesh.uplink}:{PORT}",), layer_delay_ms=LAYER_DELAY_MS, extra=extra)
         try:
             view = mesh.wait_converged([alpha, beta], n_stages=2)
             yield mesh, alpha, beta, relay, view
@@ -199,6 +201,39 @@ def relayed(netlab_session, tiny_model_dir, tmp_path_factory):
         if relay is not None:
             relay.close()
         lab.close()
+
+
+@pytest.fixture(scope="module")
+def relayed(netlab_session, tiny_model_dir, tmp_path_factory):
+    with relayed_pair(tiny_model_dir, tmp_path_factory.mktemp("relayed")) as pair:
+        yield pair
+
+
+def capture_generation(relay: Relay, entry) -> tuple[bytes, str, list[int], dict]:
+    """One generation asked of ``entry``, and what a sniffer on the link reads of it: the
+    bytes, and the WebSocket payloads unmasked (a dialer's frames are XORed with a key
+    that travels in the frame's own header: no secrecy there)."""
+    (up, down), = relay.links()
+    prompt = f"{PROMPT_WORDS} {secrets.token_hex(4)}"
+    before = len(up.wire) + len(down.wire)
+    tokens, answer = complete(entry.url, prompt, MAX_TOKENS)
+    assert len(tokens) == MAX_TOKENS
+    assert len(up.wire) + len(down.wire) - before > MAX_TOKENS * 2 * 256, "the generation did not cross the relay"
+    captured = b"".join([bytes(up.wire), bytes(down.wire), *(f.payload for f in up.frames + down.frames)])
+    return captured, prompt, tokens, answer
+
+
+# What must not be readable: the prompt, and the msgpack of frames (dtype names, tags, keys).
+IN_CLEAR = (b"float32", b"fwdb", b"resb", b"hidden", b"apireq", b"/v1/completions", b"prompt", b"token_ids")
+
+
+def test_the_capture_reads_a_plaintext_link(netlab_session, tiny_model_dir, tmp_path):
+    """The control: with --debug-plaintext-links on both, the same capture reads it all."""
+    with relayed_pair(tiny_model_dir, tmp_path, extra=("--debug-plaintext-links",)) as (_, alpha, beta, relay, view):
+        assert view["supernode"] == alpha.node_id
+        captured, prompt, _, _ = capture_generation(relay, beta)
+        assert prompt.encode() in captured
+        assert all(marker in captured for marker in IN_CLEAR), [m for m in IN_CLEAR if m not in captured]
 
 
 def assert_unchanged(mesh, daemons, view) -> None:
@@ -264,19 +299,9 @@ def test_outsider_and_man_in_the_middle_get_nothing_and_change_nothing(relayed):
 
     # A passive capture of one whole generation, asked of beta: the request crosses to the
     # supernode over the link, hidden states go back and forth.
-    prompt = f"{PROMPT_WORDS} {secrets.token_hex(4)}"
-    before = len(up.wire) + len(down.wire)
-    tokens, answer_json = complete(beta.url, prompt, MAX_TOKENS)
-    assert len(tokens) == MAX_TOKENS
-    assert len(up.wire) + len(down.wire) - before > MAX_TOKENS * 2 * 256, "the generation did not cross the relay"
-    # What a sniffer reads: the bytes, and the WebSocket payloads unmasked (a client's
-    # frames are XORed with a key that travels in the frame header: no secrecy there).
-    captured = b"".join([bytes(up.wire), bytes(down.wire), *(f.payload for f in up.frames + down.frames)])
-    assert b"Upgrade: websocket" in captured  # the capture sees what is in clear
+    captured, prompt, tokens, answer_json = capture_generation(relay, beta)
     answer_text = answer_json["choices"][0]["text"].encode()
-    for secret_thing in (prompt.encode(), PROMPT_WORDS.encode(), b"zebra", *([answer_text] if len(answer_text) >= 6 else []),
-                         b"float32", b"fwdb", b"resb", b"hidden", b"apireq", b"/v1/completions",
-                         b"prompt", b"token_ids"):
+    for secret_thing in (prompt.encode(), b"zebra", *([answer_text] if len(answer_text) >= 6 else []), *IN_CLEAR):
         assert secret_thing not in captured, f"{secret_thing!r} is readable on the wire"
 
     # The attacker in the middle injects into both directions, between frames: replays
