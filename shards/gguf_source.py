@@ -1,4 +1,4 @@
-"""Reading a llama.cpp GGUF file: config from its metadata, dequantized tensors, its vocabulary."""
+"""Reading a llama.cpp GGUF file: config from its metadata, tensors (dequantized, or as shipped), its vocabulary."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize
 
 from meshd.errors import ModelError
 from shards.config import ModelConfig
 from shards.source import TensorSource
-from shards.quant import from_q4_1
+from shards.ggml_blocks import repack
+from shards.quant import TensorQuant
 from shards.tokenizer import tokenizer_from_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -125,25 +126,48 @@ class GGUFSource(TensorSource):
         out["attention.wk.weight"] = unpermute_rope(out["attention.wk.weight"], c.n_kv_heads)
         return out
 
-    def layer_tensors_q4_1(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i`` with its Q4_1 matrices as our int4 group-32 tensors, code for code
-        (``<name>.qweight/.scales/.zeros``); other tensors dequantized as in ``layer_tensors``."""
-        out: dict[str, torch.Tensor] = {}
+    def _as_shipped(self, names: dict[str, str], prefix: str, i: int | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        """Tensors under our names in the GGUF's own types: a matrix's blocks repacked
+        code for code (shards/ggml_blocks.py: ``<base>.qweight/.scales[/.zeros]``, or
+        ``<base>.weight`` as F32/F16/BF16), other tensors as float32; with the records."""
         c = self.config
         heads = {"attention.wq.weight": c.n_heads, "attention.wk.weight": c.n_kv_heads}
-        for ours, theirs in LAYER_NAMES.items():
+        out: dict[str, torch.Tensor] = {}
+        records: dict[str, TensorQuant] = {}
+        for ours, theirs in names.items():
             t = self._tensors.get(theirs.format(i=i))
-            if t is None or t.tensor_type != GGMLQuantizationType.Q4_1:
-                w = self._get(theirs.format(i=i))
-                out[ours] = unpermute_rope(w, heads[ours]) if ours in heads else w
+            if t is None:
+                raise ModelError(f"{self.path.name} lacks tensor {theirs.format(i=i)}")
+            if len(t.shape) < 2:
+                out[ours] = self._get(t.name)
                 continue
-            cols, rows = (int(n) for n in t.shape)  # GGUF lists [in, out]
-            q = from_q4_1(t.data, rows, cols)
+            cols, rows = (int(n) for n in t.shape[:2])  # GGUF lists [in, out]
+            q, rec = repack(t.name, t.tensor_type, t.data, rows, cols)
             if ours in heads:  # rows of codes, scales and zeros move together
                 q = {k: unpermute_rope(v, heads[ours]) for k, v in q.items()}
             base = ours.removesuffix(".weight")
             out |= {f"{base}.{k}": v for k, v in q.items()}
-        return out
+            records[prefix + base] = rec
+        return out, records
+
+    def layer_as_shipped(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        return self._as_shipped(self.LAYER_NAMES, f"layers.{i}.", i)
+
+    def embed_as_shipped(self) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        names = dict(self.EMBED_NAMES)
+        if self.config.tie_embeddings:
+            del names["output.weight"]
+        return self._as_shipped(names, "")
+
+    @property
+    def file_type(self) -> str:
+        """The file's quantization mix as llama.cpp names it (q4_k_m, q8_0, ...)."""
+        ft = self._field("general.file_type", None)
+        try:
+            return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_").lower() if ft is not None else "gguf"
+        except ValueError:
+            return "gguf"
 
     def tokenizer_bytes(self) -> bytes:
         f = lambda k: self.reader.fields[k].contents()  # noqa: E731

@@ -122,8 +122,13 @@ def test_tiny_quantized_convert_load_split(tiny_hf_dir, tiny_tied_hf, tiny_model
     m = Manifest.load(out)
     raw = json.loads((out / "manifest.json").read_text())
     head_kind = (head if isinstance(head, str) else kind) if head else None
+    records = raw["quant"].pop("tensors")
     assert m.dtype == kind and raw["quant"] == {"kind": kind, "group_size": 32 if "int4" in (kind, head_kind) else None,
                                                  "head": bool(head), "head_kind": head_kind}
+    # One record per quantized linear, which loading builds its modules from.
+    assert records["layers.0.attention.wq"] == {"layout": kind, "group": 32 if kind == "int4" else None,
+                                                "zeros": kind == "int4", "source": "requantized"}
+    assert len(records) == 7 * m.n_layers + bool(head)
     from safetensors import safe_open
 
     with safe_open(str(out / "layer-000.safetensors"), "pt") as st:
@@ -230,7 +235,8 @@ def test_real_q4_1_converts_code_for_code(real_gguf_path):
     from shards.gguf_source import GGUFSource
 
     src = GGUFSource(real_gguf_path)
-    plain, direct = src.layer_tensors(7), src.layer_tensors_q4_1(7)
+    plain, (direct, records) = src.layer_tensors(7), src.layer_as_shipped(7)
+    assert {r.source for r in records.values()} == {"Q4_1"}
     for name, w in plain.items():
         if name.endswith("norm.weight"):
             assert torch.equal(direct[name], w)
@@ -245,9 +251,9 @@ def test_real_q4_1_converts_code_for_code(real_gguf_path):
 
 
 @pytest.mark.real_model
-def test_real_int8_greedy_and_logits(real_model_dir, real_stage, real_fp32_long):
-    tok = MeshTokenizer.load(real_model_dir)
-    q8 = load_stage(real_model_dir, Span(0, 30), True, True)[0]
+def test_real_int8_greedy_and_logits(real_fp32_dir, real_stage, real_fp32_long):
+    tok = MeshTokenizer.load(real_fp32_dir)
+    q8 = load_stage(real_fp32_dir, Span(0, 30), True, True)[0]
     assert quant.quantize_stage(q8, QuantSpec("int8")) == {"int8pack": 210}
     same = []
     for p in INT8_PROMPTS:
@@ -266,7 +272,8 @@ def test_real_int8_greedy_and_logits(real_model_dir, real_stage, real_fp32_long)
 @pytest.mark.real_model
 def test_real_int4_top1_and_split_equals_whole(real_int4_dir, real_stage, real_fp32_long):
     m = Manifest.load(real_int4_dir)
-    assert m.dtype == "int4" and m.quant == {"kind": "int4", "group_size": 32, "head": True, "head_kind": "int8"}
+    assert m.dtype == "int4" and {k: v for k, v in m.quant.items() if k != "tensors"} == {
+        "kind": "int4", "group_size": 32, "head": True, "head_kind": "int8"}
     whole = load_stage(real_int4_dir, Span(0, 30), True, True)[0]
     ids, ref = real_fp32_long
     assert len(ids) >= 100
