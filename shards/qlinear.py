@@ -41,6 +41,7 @@ log = structlog.get_logger()
 _CHUNK_ROWS = 4096  # the packers are row-local: pack big matrices (the head) in pieces
 _CPU_BLOCK_N = 64  # rows per block of torch's CPU int4 layout ([N/64, K, 32] bytes)
 PLANE_GROUP = 32
+RESCORE = 32  # head logits recomputed exactly per row: greedy picks what float32 would
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -87,6 +88,8 @@ class QuantLinear(nn.Module):
         self._packed: Tensor | None = None  # the device's packed weight
         self._aux: Tensor | None = None  # int8 row scales, or scales_and_zeros [G, N, 2]
         self._kdtype = torch.bfloat16
+        self._kscales: dict[str, Tensor] = {}  # scales (zeros) of the packed codes: rows read back
+        self.rescore = 0  # the head: recompute its top-k logits exactly (see forward)
 
     @classmethod
     def from_weight(cls, w: Tensor, kind: str, group_size: int | None = DEFAULT_GROUP) -> QuantLinear:
@@ -107,8 +110,9 @@ class QuantLinear(nn.Module):
 
     # -- building the device layout ---------------------------------------------------
 
-    def prepare(self, act_dtype: torch.dtype = torch.float32, keep_stored: bool = False) -> str:
-        """Build the packed layout for this device, check it, and say which path runs."""
+    def prepare(self, act_dtype: torch.dtype = torch.float32, keep_stored: bool = False, rescore: int = 0) -> str:
+        """Build the packed layout for this device, check it, and say which path runs.
+        ``rescore`` (the head): keep what reading rows back from the packed layout needs."""
         dev = self.qweight.device
         self._kdtype = _kernel_dtype(dev, act_dtype)
         try:
@@ -126,6 +130,9 @@ class QuantLinear(nn.Module):
             self._packed = self._aux = None
             self.path = "dense"
             return self.path
+        self.rescore = rescore
+        if not rescore:
+            self._kscales = {}
         if self.path != "int8pack" and not keep_stored:
             # The packed copy is all the forward reads; drop the portable one.
             for k in self.stored():
@@ -136,12 +143,14 @@ class QuantLinear(nn.Module):
         """4-bit codes [N, K'] (int32) and the kernel's scales_and_zeros [K'/g, N, 2] for
         ``(code - 8) * scale + zero``, and the kernel's group g."""
         if self.kind == "int4":  # ours: code * s + z  ->  zero' = z + 8 s
+            self._kscales = {"scales": self.scales, "zeros": self.zeros}
             s, z = self.scales.float(), self.zeros.float()
             sz = torch.stack((s.t(), (z + 8 * s).t()), dim=-1)
             return unpack_int4(self.qweight).to(torch.int32), sz, self.group_size
         t = self.stored()
         if self.group_size % PLANE_GROUP:
             t = regroup_int8(t, PLANE_GROUP)  # Q6_K: 16-wide scales -> 32 (half a new step)
+        self._kscales = {k: v for k, v in t.items() if k != "qweight"}
         u = t["qweight"].to(torch.int32) + 128  # 16 hi + lo
         s = t["scales"].float()
         z = t["zeros"].float() if "zeros" in t else torch.zeros_like(s)
@@ -191,7 +200,27 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, self.dense_weight(x.dtype))
         else:
             y = self._kernel(_aligned(x2.to(self._kdtype))).to(x.dtype)
+            if self.rescore:
+                y = self._rescored(x2, y)
         return y.reshape(*lead, self.out_features)
+
+    def _rescored(self, x: Tensor, y: Tensor) -> Tensor:
+        """The kernels round their input and output to bf16 (2^-9 of each logit), which
+        flips near-tied top tokens; the head's top ``rescore`` logits of each row are
+        recomputed exactly in float32 from the rows of the packed weight (a few rows)."""
+        k = min(self.rescore, self.out_features)
+        top = y.float().topk(k, dim=-1).indices  # [M, k]
+        rows = self.rows(top.reshape(-1)).view(*top.shape, self.in_features)  # [M, k, K]
+        exact = torch.einsum("mk,mjk->mj", x.float(), rows)
+        return y.float().scatter(1, top, exact).to(y.dtype)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of the weight as the kernel holds it, float32 [T, K]."""
+        codes = self.rows_from_packed(ids)
+        if codes is None or not self._kscales:
+            return dequantize_weight({k: v[ids] for k, v in self.stored().items()}, self.kind, self.group_size)
+        t = {k: v[ids] for k, v in self._kscales.items()} | {"qweight": codes}
+        return dequantize_weight(t, self.kind)
 
     def rows_from_packed(self, ids: Tensor) -> Tensor | None:
         """Codes of rows ``ids`` read back from the CPU packed layout ([N/64, K', 32] bytes:
@@ -302,7 +331,7 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
     paths: dict[str, int] = {}
     for m in stage.modules():
         if isinstance(m, QuantLinear) and m.path == "unprepared":
-            p = m.prepare(act_dtype, keep_stored=tied and m is out)
+            p = m.prepare(act_dtype, keep_stored=tied and m is out, rescore=RESCORE if m is out else 0)
             paths[p] = paths.get(p, 0) + 1
     if tied and out.path not in ("int8pack", "dense"):
         shared = emb.share_packed(out)
