@@ -252,7 +252,10 @@ def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: 
             if theirs not in read:  # a tied head shares the embedding's tensor
                 t = st.get_tensor(theirs)  # quantized tensors keep their dtypes (codes, fp16/fp32 scales)
                 keep = not t.is_floating_point() or theirs.endswith((".scales", ".zeros"))
-                read[theirs] = t.to(device=device, dtype=t.dtype if keep else dtype)
+                moved = t.to(device=device, dtype=t.dtype if keep else dtype)
+                # A tensor still on the file's mmap keeps the whole file resident beside the
+                # copies made from it (packed layouts): own the bytes, let the map go.
+                read[theirs] = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
             out[ours] = read[theirs]
     return out
 

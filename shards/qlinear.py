@@ -25,6 +25,7 @@ residual stream, norms and attention keep the stage's own dtype.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 
 import structlog
@@ -139,38 +140,41 @@ class QuantLinear(nn.Module):
                 setattr(self, k, None)
         return self.path
 
-    def _plane_codes(self) -> tuple[Tensor, Tensor, int]:
-        """4-bit codes [N, K'] (int32) and the kernel's scales_and_zeros [K'/g, N, 2] for
-        ``(code - 8) * scale + zero``, and the kernel's group g."""
+    def _plane_codes(self):
+        """The kernel's scales_and_zeros [K'/g, N, 2] for ``(code - 8) * scale + zero``, its
+        group g, and ``codes(r0, r1)``: 4-bit codes of rows r0..r1 [r, K'] (int32), made a
+        slice at a time (the head's full int32 codes would be 4 bytes a weight, twice)."""
         if self.kind == "int4":  # ours: code * s + z  ->  zero' = z + 8 s
             self._kscales = {"scales": self.scales, "zeros": self.zeros}
             s, z = self.scales.float(), self.zeros.float()
             sz = torch.stack((s.t(), (z + 8 * s).t()), dim=-1)
-            return unpack_int4(self.qweight).to(torch.int32), sz, self.group_size
+            return sz, self.group_size, lambda r0, r1: unpack_int4(self.qweight[r0:r1]).to(torch.int32)
         t = self.stored()
         if self.group_size % PLANE_GROUP:
             t = regroup_int8(t, PLANE_GROUP)  # Q6_K: 16-wide scales -> 32 (half a new step)
         self._kscales = {k: v for k, v in t.items() if k != "qweight"}
-        u = t["qweight"].to(torch.int32) + 128  # 16 hi + lo
         s = t["scales"].float()
         z = t["zeros"].float() if "zeros" in t else torch.zeros_like(s)
         g = self.group_size if self.group_size % PLANE_GROUP == 0 else PLANE_GROUP
         # hi plane: (hi - 8) * 16 s + z = 16 s hi - 128 s + z; lo plane: (lo - 8) s + 8 s = s lo.
         sz = torch.cat((torch.stack((16 * s, z), -1), torch.stack((s, 8 * s), -1)), dim=1).transpose(0, 1)
-        return torch.cat((u >> 4, u & 15), dim=1), sz, g
+
+        def codes(r0: int, r1: int) -> Tensor:
+            u = t["qweight"][r0:r1].to(torch.int32) + 128  # 16 hi + lo
+            return torch.cat((u >> 4, u & 15), dim=1)
+        return sz, g, codes
 
     def _pack_planes(self, dev: torch.device) -> tuple[Tensor, Tensor, str]:
-        codes, sz, g = self._plane_codes()
+        sz, g, codes = self._plane_codes()
         self._kgroup = g
         sz = sz.to(self._kdtype).contiguous()
         name = "int4pack" if self.kind == "int4" else "planes"
+        rows = [(r, min(r + _CHUNK_ROWS, self.out_features)) for r in range(0, self.out_features, _CHUNK_ROWS)]
         if dev.type == "cpu":
-            rows = range(0, self.out_features, _CHUNK_ROWS)
-            packed = torch.cat([torch._convert_weight_to_int4pack_for_cpu(codes[r:r + _CHUNK_ROWS].contiguous(), 2)
-                                for r in rows])
+            packed = torch.cat([torch._convert_weight_to_int4pack_for_cpu(codes(*r).contiguous(), 2) for r in rows])
             return packed, sz, name + "_cpu"
         # CUDA / MPS: uint8 [N, K'/2], high nibble first (torchao's tinygemm order).
-        c = codes.to(torch.uint8)
+        c = torch.cat([codes(*r).to(torch.uint8) for r in rows])
         hi_first = (c[:, 0::2] << 4 | c[:, 1::2]).contiguous()
         return torch._convert_weight_to_int4pack(hi_first, 8), sz, name
 
@@ -339,7 +343,18 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
             if getattr(out, k, None) is not None:
                 setattr(out, k, None)
         log.debug("tied_embedding", reads_packed=shared, path=out.path)
+    _trim_heap()
     return paths
+
+
+def _trim_heap() -> None:
+    """Give the packers' freed scratch back to the OS. Found when checked: glibc raises its
+    mmap threshold after the first big free, so later chunks come from the heap and stay
+    in RSS when freed (a SmolLM2 load kept 280 MB more than it holds)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def quantize_stage(stage: nn.Module, spec: QuantSpec) -> dict[str, int]:
