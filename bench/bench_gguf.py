@@ -39,36 +39,13 @@ def _status_mb(key: str) -> float:
     return float("nan")
 
 
-def _resident_weight_bytes(stage) -> int:
-    """Every tensor the stage holds, once: parameters, buffers and the packed layouts."""
-    import torch
-
-    from shards.qlinear import QuantEmbedding, QuantLinear
-
-    seen: dict[int, int] = {}
-
-    def add(t):
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-
-    for t in (*stage.parameters(), *stage.buffers()):
-        add(t)
-    for m in stage.modules():
-        if isinstance(m, QuantLinear):
-            for t in (m._packed, m._aux, *m._kscales.values()):
-                add(t)
-        if isinstance(m, QuantEmbedding):
-            add(m.qweight)
-    return sum(seen.values())
-
-
 def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from shards.engine import StageEngine
     from shards.manifest import Manifest
+    from shards.qlinear import held_bytes
     from shards.span import Span
 
     n = Manifest.load(Path(model_dir)).n_layers
@@ -77,7 +54,7 @@ def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
     load_s = time.perf_counter() - t0
     rss_loaded = _status_mb("VmRSS")
     stage = eng.stage
-    out = {"load_s": round(load_s, 2), "resident_weight_bytes": _resident_weight_bytes(stage),
+    out = {"load_s": round(load_s, 2), "resident_weight_bytes": held_bytes(stage),
            "rss_after_load_mb": round(rss_loaded, 1)}
     paths: dict[str, int] = {}
     for m in stage.modules():

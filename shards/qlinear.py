@@ -347,6 +347,21 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
     return paths
 
 
+def held_bytes(stage: nn.Module) -> int:
+    """Bytes of every tensor a stage holds, each storage once: parameters, buffers and the
+    device layouts the quantized modules built (what placement's byte count estimates)."""
+    seen: dict[int, int] = {}
+    for m in stage.modules():
+        extra = ()
+        if isinstance(m, QuantLinear):
+            extra = (m._packed, m._aux, *m._kscales.values())
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False), *extra):
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def _trim_heap() -> None:
     """Give the packers' freed scratch back to the OS. Found when checked: glibc raises its
     mmap threshold after the first big free, so later chunks come from the heap and stay

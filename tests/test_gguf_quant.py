@@ -24,7 +24,7 @@ from shards.convert import convert
 from shards.ggml_blocks import repack
 from shards.manifest import Manifest
 from shards.model import load_stage
-from shards.qlinear import QuantLinear
+from shards.qlinear import QuantLinear, held_bytes
 from shards.quant import dequantize_weight
 from shards.span import Span
 from shards.tokenizer import MeshTokenizer
@@ -165,3 +165,7 @@ def test_real_model_kept_quantized_agrees_with_its_fp32_expansion(real_model_dir
     print(f"GGUF tensors {gguf_bytes / 1e6:.1f} MB, shards {stored / 1e6:.1f} MB, placement counts "
           f"{counted / 1e6:.1f} MB")
     assert stored <= 1.6 * gguf_bytes and counted >= stored * 0.9
+    if device.type == "cpu":  # what placement counts is what the loaded stage holds
+        held = held_bytes(q)
+        print(f"the loaded stage holds {held / 1e6:.1f} MB")
+        assert abs(held - counted) <= 0.02 * counted, (held, counted)
