@@ -134,6 +134,8 @@ class QuantLinear(nn.Module):
         self.rescore = rescore
         if not rescore:
             self._kscales = {}
+        # Rows are read back from a CPU layout; elsewhere the head keeps its portable copy.
+        keep_stored = keep_stored or bool(rescore and not self.path.endswith("_cpu"))
         if self.path != "int8pack" and not keep_stored:
             # The packed copy is all the forward reads; drop the portable one.
             for k in self.stored():
@@ -235,8 +237,7 @@ class QuantLinear(nn.Module):
         kp = self._packed.numel() * 2 // self.out_features
         blocks = self._packed.view(self.out_features // _CPU_BLOCK_N, kp, _CPU_BLOCK_N // 2)
         j = ids % _CPU_BLOCK_N
-        b = blocks[ids // _CPU_BLOCK_N]  # [T, K', 32]
-        byte = b.gather(2, (j % 32).view(-1, 1, 1).expand(-1, kp, 1)).squeeze(2)  # [T, K']
+        byte = blocks[ids // _CPU_BLOCK_N, :, j % 32]  # [T, K']
         codes = torch.where((j >= 32)[:, None], byte >> 4, byte & 15)
         if self.kind == "int4":
             return codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -337,12 +338,10 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
         if isinstance(m, QuantLinear) and m.path == "unprepared":
             p = m.prepare(act_dtype, keep_stored=tied and m is out, rescore=RESCORE if m is out else 0)
             paths[p] = paths.get(p, 0) + 1
-    if tied and out.path not in ("int8pack", "dense"):
-        shared = emb.share_packed(out)
-        for k in SUFFIXES:  # the head keeps no portable copy; the embedding its scales, or all
+    if tied and out.path not in ("int8pack", "dense") and emb.share_packed(out):
+        for k in SUFFIXES:  # the head reads its rows from its packed layout too
             if getattr(out, k, None) is not None:
                 setattr(out, k, None)
-        log.debug("tied_embedding", reads_packed=shared, path=out.path)
     _trim_heap()
     return paths
 
