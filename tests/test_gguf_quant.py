@@ -28,6 +28,7 @@ from shards.qlinear import QuantLinear, held_bytes
 from shards.quant import dequantize_weight
 from shards.span import Span
 from shards.tokenizer import MeshTokenizer
+from tests.test_quant import LONG  # the 100+ token prompt the int4 tests use
 
 BLOCKS = Path(__file__).parent / "data" / "gguf-blocks.gguf"
 READER = GGUFReader(str(BLOCKS))
@@ -113,14 +114,6 @@ def test_unsupported_type_is_a_model_error_naming_tensor_and_type(qtype):
 
 
 # -- a real model, its GGUF quantization kept ----------------------------------------------
-
-LONG = ("The history of computing is a story of people and machines. Early mechanical calculators were built "
-        "in the seventeenth century by Pascal and Leibniz, and in the nineteenth century Charles Babbage "
-        "designed the Analytical Engine, a general purpose machine that was never finished. Ada Lovelace "
-        "wrote what many call the first program for it. In the twentieth century, electronic computers such "
-        "as ENIAC and Colossus were built during the war, and after it the stored program design spread "
-        "quickly through universities and companies, and then into every home.")
-
 
 def _logits(stage, ids, device):
     with torch.inference_mode():
