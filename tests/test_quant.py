@@ -199,6 +199,7 @@ def test_cli_convert_flags():
     assert a.quantize_head == "int8"
     a = parser().parse_args(["model", "convert", "x.gguf", "--out", "d"])
     assert a.quantize is None and a.quantize_head is False
+    assert a.dtype is None  # a GGUF keeps its own quantization unless --dtype expands it
 
 
 # -- the real model -------------------------------------------------------------------------
