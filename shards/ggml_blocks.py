@@ -20,7 +20,7 @@ of the portable layouts of shards/quant.py without a detour through full precisi
 The products d*sc and dmin*m of the K-quants are exact in float32 (11 + 6 or 8 bits), not in
 float16, so those scales are stored fp32. Every layout dequantizes to exactly the float32
 values ``gguf.quants.dequantize`` gives for the same blocks (tests/test_gguf_quant.py).
-Other types (IQ*, TQ*, MXFP4, Q2_K, Q3_K, ...) are refused by name.
+Other types (IQ*, TQ*, MXFP4, Q2_K, Q3_K, ...) are refused by name; ``--dtype`` expands them.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def repack(name: str, qtype: T | int, raw: np.ndarray, rows: int, cols: int
         w = _float(raw, qtype).reshape(rows, cols)
         return {"weight": w}, TensorQuant("float", None, False, qtype.name)
     if qtype not in BLOCKS:
-        raise ModelError(f"tensor {name}: GGUF type {qtype.name} is not supported "
-                         f"(supported: {', '.join(SUPPORTED)}); convert with --dtype float32 is no help either, "
-                         f"re-quantize the model to one of those types")
+        raise ModelError(f"tensor {name}: GGUF type {qtype.name} cannot be kept as shipped "
+                         f"(kept: {', '.join(SUPPORTED)}); convert with --dtype float32 (or bfloat16) "
+                         f"to expand it to floats")
     per, size = BLOCKS[qtype]
     if cols % per:
         raise ModelError(f"tensor {name}: {cols} columns are not whole {qtype.name} blocks of {per}")
