@@ -343,6 +343,7 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
             if getattr(out, k, None) is not None:
                 setattr(out, k, None)
     _trim_heap()
+    log.info("quant_kernels", device=str(stage.device), **paths)  # e.g. int4pack_cpu=210 planes_cpu=1
     return paths
 
 
