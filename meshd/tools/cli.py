@@ -68,7 +68,9 @@ def parser() -> argparse.ArgumentParser:
     convert = msub.add_parser("convert", help="convert a GGUF file or a Hugging Face directory into shards")
     convert.add_argument("src", type=Path)
     convert.add_argument("--out", type=Path, required=True)
-    convert.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "auto"])
+    convert.add_argument("--dtype", default=None, choices=[d for d in DTYPES if d != "auto"],
+                         help="expand to this float type (default: a GGUF keeps its own quantization, "
+                              "a Hugging Face directory is float32)")
     convert.add_argument("--name", help="model name (default: from the source)")
     convert.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized layers")
     convert.add_argument("--quantize-head", nargs="?", const=True, default=False, choices=["int8", "int4"],
