@@ -21,7 +21,10 @@ from shards.tokenizer import MeshTokenizer
 from tests.meshlab import complete
 
 transformers = pytest.importorskip("transformers")
-pytestmark = [pytest.mark.real_model, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+# The reference comparison loads transformers' copy, meshd's float32 one and the quantized
+# one in turn (about 2 minutes on two idle cores; a busy machine takes several times that).
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900),
+              pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
