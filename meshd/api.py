@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from meshd.errors import BadRequest, MeshError, NoCapacity
+from meshd.errors import BadRequest, MeshError, NoCapacity, StorageFull
 from meshd.openai import (
     CompletionRequest,
     choice_json,
@@ -50,6 +50,8 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), exc.status, exc.param)
     except NoCapacity as exc:
         return error_response(f"the mesh cannot serve now: {exc}", 503)
+    except StorageFull as exc:
+        return error_response(str(exc), 507)
     except web.HTTPRequestEntityTooLarge:
         # aiohttp's exception keeps no size attribute; the limit is ours.
         limit = request.app[NODE].config.max_body_bytes
@@ -147,7 +149,7 @@ async def _whole(node: Node, req: CompletionRequest) -> web.Response:
     async def one(index: int) -> dict:
         text, ids, finish = [], [], None
         async for chunk in node.metrics.observe(node.scheduler.generate(
-            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
+            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
         )):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -173,7 +175,7 @@ async def _stream(request: web.Request, node: Node, req: CompletionRequest) -> w
         first = True
         try:
             async for chunk in node.metrics.observe(node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
+                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
             )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)
@@ -256,6 +258,7 @@ async def drain(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     from meshd import dashboard, metrics
+    from meshd.serving import batchapi
 
     app.middlewares.insert(0, metrics.count_requests)  # outermost: sees the status the client gets
     app.router.add_get("/metrics", metrics.handle_metrics)
@@ -264,5 +267,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    batchapi.add_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)

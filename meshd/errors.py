@@ -49,3 +49,7 @@ class BadRequest(MeshError):
         super().__init__(message)
         self.status = status
         self.param = param
+
+
+class StorageFull(MeshError):
+    """The state disk, or the batch store's configured bound, has no room (HTTP 507)."""

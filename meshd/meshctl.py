@@ -3,7 +3,8 @@
 Exit codes, the same for every command, so a script can branch on them:
 
 - 0: done (``status``: the mesh serves; ``plan``: a plan is active)
-- 1: the peer answered but said no (not serving, no plan, drain refused, generation failed)
+- 1: the peer answered but said no (not serving, no plan, drain refused, generation failed,
+  a batch failed or has failed lines)
 - 2: no answer from the peer
 - 64: bad usage (unknown command or option)
 """
@@ -18,6 +19,8 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from meshd.tools import batchctl
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
@@ -350,13 +353,14 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--chat", action="store_true", help="as a chat message (the model's chat template)")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each token")
+    batchctl.add_parser(sub, _Parser)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"status": cmd_status, "plan": cmd_plan, "peers": cmd_peers, "drain": cmd_drain,
-                "generate": cmd_generate}
+                "generate": cmd_generate, "batch": batchctl.run}
     try:
         return commands[args.command](args)
     except Unreachable as exc:

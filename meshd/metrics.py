@@ -190,6 +190,10 @@ class _StateCollector:
         sessions = GaugeMetricFamily("meshd_sessions_active", "Generations in flight on this supernode")
         sessions.add_metric([], len(node.scheduler.active))
         yield sessions
+        batch = GaugeMetricFamily("meshd_sessions_batch", "Of those, batch-job lines (interactive ones go first)")
+        batch.add_metric([], len(node.scheduler.active) - node.scheduler.interactive)
+        yield batch
+        yield from node.batches.collect()
 
 
 @web.middleware

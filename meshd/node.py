@@ -32,6 +32,7 @@ from meshd.peers import Link, LocalIdentity
 from meshd.pipeline import Pipeline
 from meshd.placement import Candidate
 from meshd.scheduler import Scheduler, kv_bytes_per_token
+from meshd.serving.batch import BatchRunner
 from meshd.transfer import AUTH_HEADER, check_files_token, files_token, serve_file
 from protocol.messages import PROTOCOL_VERSION, Bye, Capabilities, Message, NodeId, Plan
 from shards.engine import StageEngine
@@ -113,6 +114,7 @@ class Node:
         self._lead_task: asyncio.Task | None = None
         self.caps = self._capabilities()
         self.metrics = NodeMetrics(self)  # one registry per node: several run in one test process
+        self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
 
     # -- identity ------------------------------------------------------------------
 
@@ -215,6 +217,7 @@ class Node:
                     tg.create_task(self.keeper.discovery_loop())
                 tg.create_task(self._election_loop())
                 tg.create_task(self.scheduler.run())
+                tg.create_task(self.batches.run())
                 tg.create_task(self.keeper.heartbeat_loop())
                 tg.create_task(self.keeper.connect_loop())
                 if on_ready is not None:
@@ -225,6 +228,7 @@ class Node:
                 await stop.wait()
                 log.info("node_stopping")
                 self.stopping = True  # new requests get a 503 from here on; those in flight finish
+                self.batches.stop()  # batch lines in flight are cut off: they run again after a restart
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None

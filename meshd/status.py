@@ -59,6 +59,7 @@ def build_status(node: Node) -> dict:
             "tokens_generated": node.scheduler.tokens_generated,
             "kv_reserved": node.scheduler.reserved_tokens,
             "kv_budget": node.scheduler.kv_budget_tokens,
+            "batch_sessions": len(node.scheduler.active) - node.scheduler.interactive,
             "replays": node.pipeline.replays,
         },
         **node.metrics.status_fields(),  # memory in use, tokens/s
@@ -95,4 +96,5 @@ def build_status(node: Node) -> dict:
         if plan is not None else [],
         "peers": peers,
         "terms": node.history[-10:],
+        "batches": node.batches.status(),  # batch jobs running on this peer
     }

@@ -1,0 +1,1 @@
+"""The serving path: what answers requests (the API, the scheduler, batch jobs)."""

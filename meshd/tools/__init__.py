@@ -1,0 +1,1 @@
+"""The tools around the daemon: command-line clients and helpers."""
