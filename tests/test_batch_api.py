@@ -28,8 +28,8 @@ DONE = ("completed", "failed", "expired", "cancelled")
 def daemon(tiny_model_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("batch-daemon")
     # A layer delay makes a step last a few ms, so a batch runs long enough to be watched.
-    with running_daemon(tiny_model_dir, base / "state", base / "meshd.log", "--batch-max-bytes", str(STORE_BYTES),
-                        "--debug-layer-delay-ms", "1") as served:
+    with running_daemon(tiny_model_dir, base / "state", base / "meshd.log", "--threads", "1",
+                        "--batch-max-bytes", str(STORE_BYTES), "--debug-layer-delay-ms", "1") as served:
         yield served
 
 
@@ -152,6 +152,13 @@ def test_cancel_stops_a_batch_and_frees_its_sessions(daemon, client):
     deadline = time.monotonic() + 30
     while status_json(daemon.url)["node"]["scheduler"]["batch_sessions"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+    # While it runs, /status (the dashboard's source) and /metrics show it.
+    (running,) = [j for j in status_json(daemon.url)["batches"] if j["id"] == batch.id]
+    assert running["status"] == "in_progress" and running["total"] == 80
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert "meshd_batch_jobs_running 1.0" in metrics
+    assert f'meshd_batch_job_lines{{batch="{batch.id}",state="total"}} 80.0' in metrics
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = wait_done(client, batch.id)
     assert done.status == "cancelled" and done.cancelled_at

@@ -217,10 +217,10 @@ class BatchRunner:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=5),
             connector=aiohttp.TCPConnector(limit=0, ssl=tls_contexts(self.node.config)[1]))
-        self.unavailable = None
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
+                self.unavailable = None
                 for row in await self.store.do(self.store.unfinished):
                     log.info("batch_resumed", batch=row["id"], status=row["status"], total=row["total"],
                              done=row["completed"] + row["failed"])

@@ -83,9 +83,11 @@ def _page(items: list[dict], limit: int) -> dict:
 
 
 async def _small_field(part: BodyPartReader) -> str:
-    data = await part.read()
-    if len(data) > FIELD_LIMIT:
-        raise BadRequest(f"form field {part.name} is longer than {FIELD_LIMIT} bytes", param=part.name)
+    data = b""
+    while chunk := await part.read_chunk(FIELD_LIMIT):
+        data += chunk
+        if len(data) > FIELD_LIMIT:
+            raise BadRequest(f"form field {part.name} is longer than {FIELD_LIMIT} bytes", param=part.name)
     return data.decode("utf-8", "replace").strip()
 
 

@@ -317,9 +317,11 @@ class BatchStore:
             for idx, record in malformed:
                 inserted += db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, 0, ?)",
                                        (batch_id, idx, record)).rowcount
-            db.execute("UPDATE batches SET total = ?, failed = failed + ?, status = ?, in_progress_at = ? "
-                       "WHERE id = ?", (len(lines) + len(malformed), inserted, Status.IN_PROGRESS,
-                                        int(time.time()), batch_id))
+            # A cancel that came while the file was parsed stands.
+            db.execute("UPDATE batches SET total = ?, failed = failed + ?, in_progress_at = ?, "
+                       "status = CASE status WHEN ? THEN status ELSE ? END WHERE id = ?",
+                       (len(lines) + len(malformed), inserted, int(time.time()), Status.CANCELLING,
+                        Status.IN_PROGRESS, batch_id))
         return self.get_batch(batch_id)
 
     def pending_lines(self, batch_id: str, after_idx: int, limit: int) -> list[Line]:
