@@ -26,7 +26,7 @@ PATH = "/v1/completions"
 def bodies() -> dict[str, dict]:
     out = {}
     for i in range(LINES):
-        body = {"prompt": f"Document {i}: a short note about mesh number {i * 7 % 13}", "max_tokens": 12,
+        body = {"prompt": f"Document {i}: a short note about mesh number {i * 7 % 13}", "max_tokens": 8,
                 "temperature": 0}
         if i % 5 == 0:  # seeded sampling: reproducible too
             body |= {"temperature": 0.8, "seed": 1000 + i}
