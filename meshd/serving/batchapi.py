@@ -6,6 +6,7 @@ a spool file in the state directory and then into the store, never whole in memo
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import tempfile
@@ -118,7 +119,12 @@ async def upload_file(request: web.Request) -> web.Response:
                         raise BadRequest(f"a batch file is at most {MAX_FILE_BYTES >> 20} MiB", 413, param="file")
                     if size > limit:
                         raise StorageFull(f"no room for this file: {await store.do(store.full_message)}")
-                    spool.write(chunk)
+                    try:
+                        spool.write(chunk)
+                    except OSError as exc:
+                        if exc.errno != errno.ENOSPC:
+                            raise
+                        raise StorageFull(f"the state disk is full: {await store.do(store.full_message)}") from None
             else:
                 raise BadRequest(f"form field {part.name!r} is not implemented here: POST /v1/files takes "
                                  "purpose and file", param=part.name)
