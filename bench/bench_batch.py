@@ -8,12 +8,12 @@ side in one run, on the real default model, greedy:
 - ``mesh3``: three daemons on a bridge (1 torch thread each), the job sent to a peer
   that is not the supernode (its lines go through that peer's proxy)
 
-Per configuration, in order: the interactive TTFT of single streamed requests with the
-mesh idle; 16 concurrent streams as bench_throughput measures them (tok/s); then a batch
-job of ``--requests`` lines (OpenAI Batch API, ``--tokens`` each) while a prober sends
-one interactive streamed request at a time (TTFT, inter-token latency). Prints the job's
-tok/s (output tokens over the time from in_progress to completed), its ratio to the
-16-stream figure, and the interactive TTFT idle against under the job.
+Per configuration, in order: 16 concurrent streams as bench_throughput measures them
+(tok/s); the interactive TTFT and inter-token latency of single streamed requests with
+the mesh idle; then a batch job of ``--requests`` lines (OpenAI Batch API, ``--tokens``
+each): its first half alone, its second half while a prober sends one interactive
+streamed request at a time (``--probe-every``). Prints the job's tok/s in each half
+against the 16-stream figure, and the interactive TTFT and ITL idle against beside the job.
 
     sudo .venv/bin/python bench/bench_batch.py [--requests 500] [--tokens 32] [--configs single,mesh3]
 """
@@ -64,6 +64,8 @@ async def submit(http: aiohttp.ClientSession, url: str, requests: int, tokens: i
 
 
 async def batch_run(url: str, requests: int, tokens: int, probe_every: float) -> dict:
+    """The job in two halves: alone (its own tok/s), then with an interactive prober
+    (the TTFT a person sees meanwhile, and what the job keeps of its rate)."""
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         idle = [await one_stream(http, url, PROMPTS[i % len(PROMPTS)], PROBE_TOKENS) for i in range(IDLE_PROBES)]
@@ -81,26 +83,38 @@ async def batch_run(url: str, requests: int, tokens: int, probe_every: float) ->
                 except TimeoutError:
                     pass
 
-        task = asyncio.create_task(prober())
+        marks: list[tuple[float, int]] = []  # (time, output tokens): job start, the switch, the end
+        task = None
         shown = 0.0
         while True:
             async with http.get(f"{url}/v1/batches/{batch_id}") as resp:
                 b = await resp.json()
-            if b["status"] in ("completed", "failed", "expired", "cancelled"):
+            c, now = b["request_counts"], time.monotonic()
+            finished = b["status"] in ("completed", "failed", "expired", "cancelled")
+            if not marks and b["status"] == "in_progress":
+                marks.append((now, b["usage"]["output_tokens"]))
+            if task is None and marks and (c["completed"] + c["failed"] >= requests // 2 or finished):
+                marks.append((now, b["usage"]["output_tokens"]))
+                task = asyncio.create_task(prober())
+            if finished:
+                marks.append((now, b["usage"]["output_tokens"]))
                 break
-            if time.monotonic() - shown >= 10:
-                c = b["request_counts"]
+            if now - shown >= 10:
                 print(f"   batch {c['completed'] + c['failed']}/{c['total']} {b['status']}", flush=True)
-                shown = time.monotonic()
-            await asyncio.sleep(0.5)
+                shown = now
+            await asyncio.sleep(0.25)
         done.set()
-        await task
-    wall = b["completed_at"] - b["in_progress_at"]  # whole seconds; the job lasts minutes
+        if task is not None:
+            await task
     ok = [p for p in probes if "error" not in p]
+    idle_ok = [p for p in idle if "error" not in p]
+    (t0, k0), (t1, k1), (t2, k2) = marks
     return {
-        "status": b["status"], "requests": b["request_counts"], "output_tokens": b["usage"]["output_tokens"],
-        "wall_s": wall, "tok_s": b["usage"]["output_tokens"] / max(wall, 1),
-        "idle_ttft_p50_ms": pct([p["ttft"] for p in idle if "error" not in p], 0.5),
+        "status": b["status"], "requests": b["request_counts"], "output_tokens": k2, "wall_s": round(t2 - t0, 1),
+        "tok_s": (k2 - k0) / (t2 - t0), "tok_s_alone": (k1 - k0) / max(t1 - t0, 1e-3),
+        "tok_s_with_probes": (k2 - k1) / max(t2 - t1, 1e-3),
+        "idle_ttft_p50_ms": pct([p["ttft"] for p in idle_ok], 0.5),
+        "idle_itl_p50_ms": pct([x for p in idle_ok for x in p["itl"]], 0.5),
         "probes": len(probes), "probe_errors": len(probes) - len(ok),
         "ttft_p50_ms": pct([p["ttft"] for p in ok], 0.5), "ttft_p95_ms": pct([p["ttft"] for p in ok], 0.95),
         "itl_p50_ms": pct([x for p in ok for x in p["itl"]], 0.5),
@@ -153,13 +167,15 @@ def main() -> int:
         s, b = r["streams16"], r["batch"]
         print(f"   plan {r['plan']}")
         print(f"   16 streams: {s['tok_s']:.1f} tok/s (TTFT p50 {s['ttft_p50_ms']:.0f} ms, errors {s['errors']})")
-        print(f"   batch job:  {b['tok_s']:.1f} tok/s ({b['output_tokens']} tokens in {b['wall_s']} s, "
-              f"{b['status']}, counts {b['requests']})")
-        print(f"   batch / 16 streams = {b['tok_s'] / s['tok_s']:.2f}x")
-        print(f"   interactive TTFT idle p50 {b['idle_ttft_p50_ms']:.0f} ms; under the job p50 "
-              f"{b['ttft_p50_ms']:.0f} ms p95 {b['ttft_p95_ms']:.0f} ms (x{b['ttft_p50_ms'] / b['idle_ttft_p50_ms']:.2f}"
-              f" p50), ITL p50 {b['itl_p50_ms']:.0f} ms, {b['probes']} probes, {b['probe_errors']} errors",
-              flush=True)
+        print(f"   batch job:  {b['tok_s']:.1f} tok/s over the job ({b['output_tokens']} tokens in {b['wall_s']} s, "
+              f"{b['status']}, counts {b['requests']}); first half alone {b['tok_s_alone']:.1f} tok/s, "
+              f"second half beside interactive probes {b['tok_s_with_probes']:.1f} tok/s")
+        print(f"   batch alone / 16 streams = {b['tok_s_alone'] / s['tok_s']:.2f}x; "
+              f"beside probes / 16 streams = {b['tok_s_with_probes'] / s['tok_s']:.2f}x")
+        print(f"   interactive idle: TTFT p50 {b['idle_ttft_p50_ms']:.0f} ms, ITL p50 {b['idle_itl_p50_ms']:.0f} ms; "
+              f"beside the job: TTFT p50 {b['ttft_p50_ms']:.0f} ms p95 {b['ttft_p95_ms']:.0f} ms "
+              f"(x{b['ttft_p50_ms'] / b['idle_ttft_p50_ms']:.2f} p50), ITL p50 {b['itl_p50_ms']:.0f} ms; "
+              f"{b['probes']} probes, {b['probe_errors']} errors", flush=True)
     (args.out / "batch.json").write_text(json.dumps(results, indent=2))
     print(f"\nfigures: {args.out / 'batch.json'}")
     return 0
