@@ -5,6 +5,7 @@ interactive requests going ahead of a batch's lines."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from meshd import meshctl
 from meshd.scheduler import BATCH_BESIDE_INTERACTIVE, MAX_BATCH, Priority, Session, pick_step, rotate_batch
-from tests.fixtures.daemon import running_daemon, status_json
+from tests.fixtures.daemon import running_daemon, running_node, status_json
 from tests.meshlab import http_json
 
 openai = pytest.importorskip("openai", reason="the openai SDK is in the test extra")
@@ -257,3 +258,25 @@ def test_a_step_takes_interactive_sessions_first_and_batch_ones_in_turn():
             steps[s.id] += 1
         lane = rotate_batch(lane, picked)
     assert set(steps.values()) == {2}
+
+
+async def test_with_api_keys_a_batch_needs_one_and_its_lines_pass(tiny_model_dir, tmp_path):
+    """The runner's own requests carry the mesh token, so they pass where clients need a key."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-local-1\n")
+    async with running_node(tiny_model_dir, tmp_path / "state", api_key_file=keys) as served:
+        anonymous = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await anonymous.batches.list()
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="sk-local-1", max_retries=0)
+        data = jsonl([request_line(f"k{i}", "/v1/completions", {"prompt": f"Key {i}", "max_tokens": 4})
+                      for i in range(3)])
+        uploaded = await client.files.create(file=("k.jsonl", io.BytesIO(data)), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                            completion_window="24h")
+        for _ in range(200):
+            batch = await client.batches.retrieve(batch.id)
+            if batch.status in DONE:
+                break
+            await asyncio.sleep(0.05)
+        assert (batch.status, batch.request_counts.completed) == ("completed", 3), batch
