@@ -5,6 +5,7 @@ table both equal, row for row, the same requests sent alone."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -23,6 +24,9 @@ pq = pytest.importorskip("pyarrow.parquet")
 pd = pytest.importorskip("pandas")
 pytestmark = pytest.mark.timeout(240)
 
+# A short local job: the JVM's C1 compiler alone and the serial GC start it in half the
+# time on two busy cores (the pipeline is the same).
+SHORT_JVM = {"JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "spark_summarise.py"
 DOCS = {
     "lighthouse.txt": "The old lighthouse keeper climbed the stairs\n\nevery night,  and watched the sea.",
@@ -47,7 +51,7 @@ def test_spark_example_summaries_equal_single_requests(tiny_model_dir, tmp_path)
         run = subprocess.run(
             [sys.executable, str(EXAMPLE), "--docs", str(docs), "--url", served.url, "--url", dead, "--no-discover",
              "--out", str(out), "--sqlite", str(db), "--max-tokens", "12", "--partitions", "2"],
-            capture_output=True, text=True, timeout=200)
+            capture_output=True, text=True, timeout=200, env=os.environ | SHORT_JVM)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
         assert "summarised 5 documents through 2 peer(s) (0 failed)" in run.stdout
         assert f"meshd peer {dead} did not answer" in run.stderr  # and its partition was asked elsewhere

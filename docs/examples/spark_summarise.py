@@ -37,21 +37,23 @@ def summarise(spark, docs: str, urls: list[str], max_chars: int, max_tokens: int
                     temperature=0.0)
 
 
-def write_sqlite(rows, path: str) -> int:
-    """Rows (from ``toLocalIterator``: the driver never holds the whole table) into ``summaries``."""
+def write_sqlite(rows, path: str) -> tuple[int, int]:
+    """Rows (from ``toLocalIterator``: the driver never holds the whole table) into
+    ``summaries``; (rows written, rows whose request failed)."""
     db = sqlite3.connect(path)
     try:
         db.execute("CREATE TABLE IF NOT EXISTS summaries (document TEXT PRIMARY KEY, text TEXT, summary TEXT, "
                    "summary_finish_reason TEXT, summary_tokens INTEGER, summary_error TEXT)")
-        n, chunk = 0, []
+        n, failed, chunk = 0, 0, []
         for row in rows:
             chunk.append(tuple(row[c] for c in COLUMNS))
+            failed += row["summary_error"] is not None
             if len(chunk) >= 500:
                 n += _insert(db, chunk)
                 chunk = []
         n += _insert(db, chunk)
         db.commit()
-        return n
+        return n, failed
     finally:
         db.close()
 
@@ -84,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         out = summarise(spark, args.docs, urls, args.max_chars, args.max_tokens, args.partitions or 2 * len(urls))
         out = out.cache()  # asked once: Parquet and SQLite get the same answers
         out.write.mode("overwrite").parquet(args.out)
-        n = write_sqlite(out.toLocalIterator(), args.sqlite)
-        failed = out.where("summary_error IS NOT NULL").count()
+        n, failed = write_sqlite(out.toLocalIterator(), args.sqlite)
     finally:
         spark.stop()
     print(f"summarised {n} documents through {len(urls)} peer(s) ({failed} failed): {args.out}, {args.sqlite}")
