@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-EXIT_OK, EXIT_REFUSED = 0, 1
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 64
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 FINISHED = ("completed", "failed", "expired", "cancelled")
 CHUNK = 1 << 16
@@ -189,6 +189,10 @@ def _download(args, file_id: str, out: Path | None) -> None:
 
 def cmd_submit(args) -> int:
     path = Path(args.file)
+    bad = [kv for kv in args.metadata or () if "=" not in kv]
+    if bad:
+        print(f"meshctl: --metadata takes KEY=VALUE, not {bad[0]!r}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         endpoint = args.endpoint or _endpoint_of(path)
     except (OSError, ValueError) as exc:
