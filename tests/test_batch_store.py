@@ -9,7 +9,7 @@ import json
 import pytest
 
 from meshd.errors import StorageFull
-from meshd.serving.batch import check_line, split_lines, validate_input
+from meshd.serving.batchinput import check_line, split_lines, validate_input
 from meshd.serving.batchstore import DB_NAME, BatchStore, Line, Status
 
 EP = "/v1/completions"

@@ -15,7 +15,8 @@ from aiohttp import BodyPartReader, web
 
 from meshd.api import NODE, read_json
 from meshd.errors import BadRequest, NoCapacity, StorageFull
-from meshd.serving.batch import ENDPOINTS, BatchRunner, new_id
+from meshd.serving.batch import BatchRunner
+from meshd.serving.batchinput import ENDPOINTS, new_id
 from meshd.serving.batchstore import TERMINAL, Status
 
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
