@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
+    run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")
+    run.add_argument("--batch-max-bytes", type=int, metavar="BYTES",
+                     help="size bound of the batch store in the state dir (default 1 GiB)")
     run.add_argument("--log-level")
     run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
     run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
