@@ -43,7 +43,8 @@ from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
 from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
-from meshd.serving import api
+from meshd.serving import api, batchapi
+from meshd.serving.batch import BatchRunner
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
 from meshd.serving.pipeline import Pipeline
@@ -109,6 +110,7 @@ class Node:
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret,
                                       plaintext=config.debug_plaintext_links)
         self.tokens = TokenCheck(self.secret)  # shard-file requests from peers
+        self.local_token = secrets.token_hex(32)  # never leaves this process: see local_auth
         self.api_keys = config.load_keys(config.api_key_file)
         self.control_keys = config.load_keys(config.control_key_file)
         self.started = time.time()
@@ -132,6 +134,7 @@ class Node:
         self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
+        self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
 
     # -- identity ------------------------------------------------------------------
 
@@ -167,6 +170,7 @@ class Node:
 
     def make_app(self) -> web.Application:
         app = api.make_app(self)
+        batchapi.add_routes(app)  # OpenAI's Batch API (/v1/files, /v1/batches) over this peer's runner
         app.router.add_get("/mesh/ws", self.keeper.ws_handler)
         app.router.add_get("/mesh/files/{model}/{name}", self._files_handler)
         return app
@@ -196,6 +200,7 @@ class Node:
                     tg.create_task(self.keeper.discovery_loop())
                 tg.create_task(self.leader.run())
                 tg.create_task(self.scheduler.run())
+                tg.create_task(self.batches.run(client_tls))
                 tg.create_task(self.keeper.heartbeat_loop())
                 tg.create_task(self.keeper.connect_loop())
                 if on_ready is not None:
@@ -206,6 +211,7 @@ class Node:
                 await stop.wait()
                 log.info("node_stopping")
                 self.stopping = True  # new requests get a 503 from here on; those in flight finish
+                self.batches.stop()  # batch lines in flight are cut off: they run again after a restart
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
@@ -366,6 +372,9 @@ class Node:
         except KNOWN_ERRORS as exc:
             log.warning("drain_failed", node=req["node"], error=str(exc))
             return 500, json.dumps(error_json(f"drain failed: {exc}", 500)).encode()
+
+    def local_auth(self) -> dict[str, str]:
+        return {api.LOCAL_HEADER: self.local_token}
 
     def own_url(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"

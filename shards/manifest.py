@@ -53,6 +53,7 @@ def check_file_name(name: str) -> str:
 class FileEntry:
     sha256: str
     size: int
+    resident: int | None = None  # bytes once loaded, where not ``size`` (quantized: kernel layouts)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,10 @@ class Manifest:
     dtype: str
     files: dict[str, FileEntry]
     chat_template: str | None = None
-    # Weight-only quantization (``dtype`` is then its kind): {"kind": "int8"|"int4",
-    # "group_size", "head": bool, "head_kind"}; see shards/quant.py. None: plain floats.
+    # Weight-only quantization: {"kind": "int8"|"int4", "group_size", "head", "head_kind"} of a
+    # requantization (``dtype`` is then its kind), or {"kind": "gguf"} for a GGUF kept as shipped
+    # (``dtype`` is its file type, q4_k_m...); with "tensors": one record per quantized linear
+    # (shards/quant.py's TensorQuant), which loading builds the modules from. None: plain floats.
     quant: dict | None = None
     # Texts of bos_token, eos_token, unk_token, pad_token for chat templates (None: none known).
     special_tokens: dict[str, str] | None = None
@@ -90,7 +93,8 @@ class Manifest:
             "n_layers": self.n_layers,
             "config": self.config.to_dict(),
             "chat_template": self.chat_template,
-            "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
+            "files": {n: {"sha256": e.sha256, "size": e.size} | ({"resident": e.resident} if e.resident else {})
+                      for n, e in sorted(self.files.items())},
         } | ({"quant": dict(self.quant)} if self.quant else {}) | (
             {"special_tokens": dict(self.special_tokens)} if self.special_tokens else {})
 
@@ -108,7 +112,9 @@ class Manifest:
             config = ModelConfig.from_dict(data["config"])
             if data.get("n_layers", config.n_layers) != config.n_layers:
                 raise ModelError(f"manifest n_layers={data['n_layers']} disagrees with config ({config.n_layers})")
-            files = {str(n): FileEntry(str(e["sha256"]), int(e["size"])) for n, e in data["files"].items()}
+            files = {str(n): FileEntry(str(e["sha256"]), int(e["size"]),
+                                       None if e.get("resident") is None else int(e["resident"]))
+                     for n, e in data["files"].items()}
             return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
                        dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
                        quant=data.get("quant"), special_tokens=_special_tokens(data.get("special_tokens")),
@@ -153,11 +159,14 @@ class Manifest:
         return names
 
     def layer_bytes(self, i: int) -> int:
-        return self.files[layer_file(i)].size
+        """Bytes layer ``i`` takes in a peer's memory (what placement counts)."""
+        e = self.files[layer_file(i)]
+        return e.resident or e.size
 
     @property
     def embed_bytes(self) -> int:
-        return self.files[EMBED_FILE].size
+        e = self.files[EMBED_FILE]
+        return e.resident or e.size
 
     # -- checking files against it --------------------------------------------------
 

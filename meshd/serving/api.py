@@ -14,7 +14,7 @@ import json
 import structlog
 from aiohttp import web
 
-from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
+from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, Daemon
 from meshd.serving.openai import (
@@ -35,6 +35,8 @@ from meshd.serving.scheduler import Usage
 
 log = structlog.get_logger()
 
+LOCAL_HEADER = "X-Meshd-Local"  # Daemon.local_auth: this process calling its own API
+
 KEEPALIVE_S = 1.0
 
 
@@ -52,6 +54,8 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
         return error_response(f"the mesh cannot serve now: {exc}", 503)
+    except StorageFull as exc:
+        return error_response(str(exc), 507)
     except web.HTTPRequestEntityTooLarge:
         # aiohttp's exception keeps no size attribute; the limit is ours.
         limit = request.app[NODE].config.max_body_bytes
@@ -70,6 +74,17 @@ def _bearer(request: web.Request) -> str | None:
     return value[7:].strip() if value.lower().startswith("bearer ") else None
 
 
+def _same(given: str, want: str) -> bool:
+    # as bytes: compare_digest refuses str with non-ASCII (a 500 for a stray header)
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), want.encode())
+
+
+def _own_call(request: web.Request) -> bool:
+    """A call this very process made to its own API (``Daemon.local_auth``)."""
+    given = request.headers.get(LOCAL_HEADER)
+    return given is not None and _same(given, request.app[NODE].local_token)
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
@@ -79,13 +94,11 @@ async def auth_middleware(request: web.Request, handler):
         keys = node.api_keys
         if request.path.startswith("/v1/mesh/"):
             keys = node.control_keys or node.api_keys
-        if keys:
+        if keys and not _own_call(request):
             given = _bearer(request)
             if given is None:
                 return error_response("this endpoint needs an API key: Authorization: Bearer KEY", 401)
-            # as bytes: compare_digest refuses str with non-ASCII (a 500 for a stray header)
-            raw = given.encode("utf-8", "surrogateescape")
-            if not any(hmac.compare_digest(raw, k.encode()) for k in keys):
+            if not any(_same(given, k) for k in keys):
                 return error_response("invalid API key", 403 if request.path.startswith("/v1/mesh/") else 401)
     return await handler(request)
 
@@ -139,7 +152,7 @@ async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
     async def one(index: int) -> dict:
         text, ids, finish = [], [], None
         async for chunk in node.metrics.observe(node.scheduler.generate(
-            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
+            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
         )):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -165,7 +178,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) ->
         first = True
         try:
             async for chunk in node.metrics.observe(node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
+                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
             )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)

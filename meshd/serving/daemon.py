@@ -11,6 +11,7 @@ from aiohttp import web
 from meshd.config import Config
 from meshd.control.mesh import MeshView
 from meshd.control.store import ModelStore
+from meshd.serving.batch import BatchRunner
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler
@@ -38,6 +39,7 @@ class Daemon(Upstream, Protocol):
     secret: bytes
     api_keys: frozenset[str]
     control_keys: frozenset[str]
+    local_token: str  # see local_auth
     device: str
     started: float
     stopping: bool
@@ -46,6 +48,7 @@ class Daemon(Upstream, Protocol):
     scheduler: Scheduler
     pipeline: Pipeline
     metrics: NodeMetrics
+    batches: BatchRunner
 
     @property
     def model_name(self) -> str: ...
@@ -56,6 +59,13 @@ class Daemon(Upstream, Protocol):
         """The supernode's tokenizer and context length, once it serves."""
 
     def unavailable_reason(self) -> str: ...
+
+    def own_url(self) -> str:
+        """This peer's own API (batch lines are sent there, as any client's request)."""
+
+    def local_auth(self) -> dict[str, str]:
+        """The header that lets this process's own calls to its API past the keys (the batch
+        runner's lines: their submitter was checked when the batch was made)."""
 
     async def drain_peer(self, peer: NodeId) -> dict: ...
 
