@@ -49,6 +49,23 @@ def check_file_name(name: str) -> str:
     return name
 
 
+MAX_NAME = 128
+
+
+def is_plain_name(name: object) -> bool:
+    """A model's name as it may come from a peer or a client: one path component that
+    names something inside its parent (no separators, no ``.``/``..``, no hidden
+    names, no control characters), so ``models/<name>`` stays inside ``models/``."""
+    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and not name.startswith(".")
+            and not any(c in name for c in "/\\") and name.isprintable())
+
+
+def check_model_name(name: object) -> str:
+    if not is_plain_name(name):
+        raise ModelError(f"model name {str(name)[:80]!r} is not a plain name (it would be used as a directory)")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     sha256: str
