@@ -35,10 +35,10 @@ from meshd.control.follower import Follower
 from meshd.control.leader import Leader
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
-from meshd.control.peers import Link, LocalIdentity, peer_url, url_host
+from meshd.control.peers import CLOSE_PROTOCOL, Link, LocalIdentity, peer_url, url_host
 from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, check_files_token, files_token
-from meshd.errors import NoCapacity, ProtocolError
+from meshd.errors import NoCapacity, PeerLost, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api
 from meshd.serving.metrics import NodeMetrics
@@ -228,10 +228,14 @@ class Node:
         await self.view.changes.wait_for(self.serves, None)
         on_ready()
 
-    def spawn(self, coro) -> asyncio.Task:
-        """A task owned by the node's group (per-message work of the read loops)."""
+    def spawn(self, coro, link: Link | None = None) -> asyncio.Task:
+        """A task owned by the node's group (per-message work of the read loops).
+
+        The task is guarded: an error it does not handle itself is logged and ends only
+        what it belongs to (the ``link`` whose message it serves, closed with the reason),
+        never the group, which would stop the daemon."""
         assert self._tg is not None
-        return self._tg.create_task(coro)
+        return self._tg.create_task(_guarded(coro, link))
 
     # -- messages ------------------------------------------------------------------
 
@@ -241,19 +245,31 @@ class Node:
         waits goes to a task."""
         match msg:
             case Plan():
-                self.spawn(self.follower.on_plan(link, msg))
+                self.spawn(self.follower.on_plan(link, msg), link)
+            case ForwardBatch():
+                self.spawn(self.follower.serve_forward(link, msg), link)
+            case Hello() | Auth():
+                raise ProtocolError(f"{type(msg).__name__} after the handshake")
+            case Commit() | Drop() | Accept() | Reject():
+                try:
+                    self._settle(link, msg)
+                except (ProtocolError, PeerLost):
+                    raise
+                except Exception as exc:  # a message our code did not foresee closes its link, not the node
+                    log.exception("message_failed", peer=link.peer_id, message=type(msg).__name__)
+                    raise ProtocolError(f"{type(msg).__name__} could not be handled: {exc!r}") from exc
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__}")
+
+    def _settle(self, link: Link, msg: Commit | Drop | Accept | Reject) -> None:
+        """The messages handled at once, inside the read loop."""
+        match msg:
             case Commit():
                 self.follower.on_commit(link, msg)
-            case ForwardBatch():
-                self.spawn(self.follower.serve_forward(link, msg))
             case Drop(session=session):
                 self.follower.drop(session)
             case Accept() | Reject():
                 self.leader.on_reply(link.peer_id, msg)
-            case Hello() | Auth():
-                raise ProtocolError(f"{type(msg).__name__} after the handshake")
-            case _:
-                raise ProtocolError(f"unexpected {type(msg).__name__}")
 
     # -- the supernode's serving parts --------------------------------------------------
 
@@ -338,6 +354,19 @@ class Node:
         """After losing the supernode mid-request: wait for the plan of the next one."""
         await self._wait_for(lambda: self.serves() and self.current_term() > term, self.config.failover_wait_s,
                              "no new supernode took over")
+
+
+async def _guarded(coro, link: Link | None) -> None:
+    """Run one spawned task; what escapes it closes its link (if any) and is logged."""
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the one catch-all: no task may end the node's TaskGroup
+        peer = link.peer_id if link is not None else None
+        log.exception("task_failed", task=getattr(coro, "__qualname__", repr(coro)), peer=peer, error=repr(exc))
+        if link is not None:
+            await link.close(f"internal error on its message: {exc!r}"[:200], CLOSE_PROTOCOL)
 
 
 class _Stopped(Exception):

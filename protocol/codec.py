@@ -214,7 +214,7 @@ def _plain(hint: Any, meta: Any) -> Callable[[object], bool] | None:
     if hint is str:
         return lambda v: type(v) is str
     if hint in (NodeId, SessionId):
-        return lambda v: type(v) is str and 0 < len(v) <= MAX_ID and v.isprintable()
+        return lambda v: type(v) is str and len(v) <= MAX_ID and is_plain_name(v)
     return None
 
 
@@ -360,9 +360,9 @@ class _Fields:
 
     def as_node(self) -> NodeId:
         v = self.as_str()
-        if not 0 < len(v) <= MAX_ID or not v.isprintable():
+        if len(v) > MAX_ID or not is_plain_name(v):
             raise ProtocolError(f"{self.where}: empty id" if not v else
-                                f"{self.where}: an id is 1..{MAX_ID} printable characters, got {v[:40]!r}")
+                                f"{self.where}: an id is a plain name of 1..{MAX_ID} characters, got {v[:40]!r}")
         return NodeId(v)
 
     def as_name(self) -> ModelName:

@@ -125,12 +125,12 @@ class Manifest:
             config = ModelConfig.from_dict(data["config"])
             if data.get("n_layers", config.n_layers) != config.n_layers:
                 raise ModelError(f"manifest n_layers={data['n_layers']} disagrees with config ({config.n_layers})")
-            files = {str(n): FileEntry(str(e["sha256"]), int(e["size"])) for n, e in data["files"].items()}
+            files = {str(n): _file_entry(e) for n, e in data["files"].items()}
             return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
                        dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
                        quant=data.get("quant"), special_tokens=_special_tokens(data.get("special_tokens")),
                        format=int(data.get("format", 1)), _raw=raw)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError) as e:
             raise ModelError(f"malformed manifest: {e!r}") from e
 
     @classmethod
@@ -209,6 +209,18 @@ class Manifest:
                 checked.record(name, st, digest)
         finally:
             checked.save()
+
+
+MAX_FILE_SIZE = 1 << 44
+
+
+def _file_entry(e: dict) -> FileEntry:
+    sha, size = e["sha256"], e["size"]
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise ModelError(f"manifest sha256 {str(sha)[:80]!r} is not 64 lowercase hex digits")
+    if type(size) is not int or not 0 <= size <= MAX_FILE_SIZE:
+        raise ModelError(f"manifest file size {size!r} is outside 0..{MAX_FILE_SIZE}")
+    return FileEntry(sha, size)
 
 
 def _special_tokens(data) -> dict[str, str] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from meshd.errors import KNOWN_ERRORS, NoCapacity
+from meshd.errors import KNOWN_ERRORS, NoCapacity, StageFailed
 from meshd.serving.pipeline import Pipeline
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -123,6 +123,11 @@ class Scheduler:
                 results = {}
                 for s in batch:
                     self._finish(s, exc)
+            except Exception as exc:  # e.g. a stage's hidden state torch cannot use: these requests fail, the lane goes on
+                log.exception("step_failed", sessions=len(batch))
+                results = {}
+                for s in batch:
+                    self._finish(s, StageFailed(f"the step failed: {exc!r}"))
             finally:
                 for s in batch:
                     s.in_step = False
