@@ -21,6 +21,8 @@ end-of-generation id, and an incremental decoder that never emits half a charact
 
 from __future__ import annotations
 
+import functools
+
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -269,6 +271,14 @@ class MeshTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (its spelling's length bounds
+        it: a byte-level token spells each byte as one character, a byte-fallback token
+        ``<0xNN>`` spells one byte with six); so a text of more than ``n`` times this has
+        more than ``n`` tokens, whatever the tokenizer makes of it."""
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from meshd.errors import NoCapacity
 from meshd.serving.daemon import Upstream
+from meshd.serving.guards import forwarded_client
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
@@ -86,7 +87,7 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
         silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
         try:
             async with node.http.post(url, json=upstream_body, timeout=silence,
-                                      headers=node.mesh_auth(request.path)) as up:
+                                      headers=node.mesh_auth(request.path) | forwarded_client(request)) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
                     payload = await up.read()

@@ -31,6 +31,10 @@ log = structlog.get_logger()
 
 MAX_LANES = 4
 MAX_BATCH = 64  # sessions per lane step
+# A client with requests in flight may hold at most this share of the KV budget (its one
+# request, all its choices, is admitted whenever the budget fits it): no client can lock
+# every other client out.
+CLIENT_SHARE = 0.5
 
 
 def new_session_id() -> str:
@@ -51,6 +55,8 @@ class Session:
     cached: int = 0
     term: int | None = None
     reserved: int = 0  # KV positions admitted for it
+    client: str | None = None  # who asked (an API key's hash, an address), for KV fairness
+    request: object = None  # the request it is a choice of (a request's choices count as one)
     sampler: Sampler | None = None
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None (or an exception)
     finished: bool = False
@@ -97,6 +103,7 @@ class Scheduler:
         self.active: dict[str, Session] = {}
         self.lanes = [Lane(i) for i in range(MAX_LANES)]
         self.reserved_tokens = 0
+        self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
         self.tokens_generated = 0
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
@@ -159,13 +166,24 @@ class Scheduler:
 
     def _admit(self, session: Session) -> None:
         need = session.prompt_len + session.params.max_tokens
-        if self.kv_budget_tokens is not None and self.reserved_tokens + need > self.kv_budget_tokens:
+        budget = self.kv_budget_tokens
+        if budget is not None and self.reserved_tokens + need > budget:
             raise NoCapacity(
-                f"KV cache budget full: {self.reserved_tokens} of {self.kv_budget_tokens} positions in use, "
+                f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
                 f"this request needs {need}; retry shortly"
+            )
+        held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
+        others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
+        if budget is not None and others > 0 and held + need > budget * CLIENT_SHARE:
+            raise NoCapacity(
+                f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
+                f"while others may need them), this request needs {need}; retry once one of its requests ends"
             )
         session.reserved = need
         self.reserved_tokens += need
+        if session.client is not None:
+            for key in (session.client, ("request", session.request)):
+                self.reserved_by[key] = self.reserved_by.get(key, 0) + need
         self.active[session.id] = session
         lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
         lane.sessions.append(session)
@@ -194,12 +212,15 @@ class Scheduler:
         params: SamplingParams,
         usage: Usage | None = None,
         history: list[int] | None = None,
+        client: str | None = None,
+        request: object = None,
     ) -> AsyncIterator[Chunk]:
         """Stream chunks for one choice. ``history`` resumes a generation whose
         first tokens were already produced (a resubmission after a supernode loss)."""
         assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
         session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
-                          self.tokenizer.eos_ids, sampler=Sampler(params))
+                          self.tokenizer.eos_ids, sampler=Sampler(params), client=client,
+                          request=request if request is not None else object())
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
             decoder.push(tok)
@@ -240,6 +261,13 @@ class Scheduler:
             self._finish(session, None)
             self.active.pop(session.id, None)
             self.reserved_tokens -= session.reserved
+            if session.client is not None and session.reserved:
+                for key in (session.client, ("request", session.request)):
+                    left = self.reserved_by.get(key, 0) - session.reserved
+                    if left > 0:
+                        self.reserved_by[key] = left
+                    else:
+                        self.reserved_by.pop(key, None)
             if self.on_finished is not None:
                 self.on_finished()
             if usage is not None:
