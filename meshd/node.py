@@ -44,6 +44,7 @@ from meshd.serving import api
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
+from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -169,12 +170,16 @@ class Node:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5),
                                           connector=aiohttp.TCPConnector(ssl=client_tls))
         # A client that hangs up cancels its handler, so its sessions are freed at once.
+        # keepalive_timeout: aiohttp's timer runs from accept until a request is whole, so
+        # it closes idle connections and ones that dribble their headers alike.
         runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s,
-                               handler_cancellation=True)
+                               handler_cancellation=True, keepalive_timeout=self.config.http_idle_s)
         discovery = None
         try:
+            nofile = raise_nofile_limit()
             await runner.setup()
-            site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
+            site = GuardedSite(runner, self.config.host, self.config.port, ssl_context=server_tls,
+                               max_connections=min(self.config.max_connections, max(8, nofile - 64)))
             await site.start()
             log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
                      port=self.config.port, device=self.device, vram=self.view.caps.vram, model=self.model_name,

@@ -109,7 +109,12 @@ async def auth_middleware(request: web.Request, handler):
 
 
 async def read_json(request: web.Request):
-    return parse_json(await request.read())
+    try:  # a body that trickles in holds its connection busy: it gets as long as an idle one
+        async with asyncio.timeout(request.app[NODE].config.http_idle_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadRequest("request body not received in time", 408) from None
+    return parse_json(raw)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
