@@ -72,7 +72,8 @@ class GuardedSite(web.TCPSite):
         if len(conns) >= self.max_connections:
             # aiohttp marks a handler busy from a whole request's arrival to its answer's end
             # (a WebSocket link stays busy); an unknown aiohttp counts every one as busy.
-            idle = next((h for h in conns if not getattr(h, "_request_in_progress", True)), None)
+            idle = next((h for h in conns if not getattr(h, "_request_in_progress", True)
+                         and h.transport is not None and not h.transport.is_closing()), None)
             if idle is None:
                 self.refused += 1
                 self._note("connections_refused")
