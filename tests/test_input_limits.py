@@ -169,3 +169,30 @@ async def test_long_prompts_are_bounded_and_tokenized_off_the_loop(real_model_di
         results = await posts
         assert all(s == 400 and "context window" in d["error"]["message"] for s, d in results), results
         assert worst < 1.0, f"/healthz took {worst:.2f} s while prompts were tokenized"
+
+
+@pytest.mark.netns
+def test_control_endpoints_answer_only_this_host_without_a_key(tiny_mesh):
+    """No key configured: a drain from another box (pytest, across the bridge) is refused,
+    a foreign page's text/plain POST too; the same drain from the peer's own box gets in."""
+    import json
+    import urllib.request
+
+    from tests.meshlab import http_json_from
+
+    target = tiny_mesh.daemons[1]
+    plan = tiny_mesh.daemons[0].status()["plan"]
+    url = target.url + "/v1/mesh/drain"
+    body = {"node": "no-such-node"}
+    for ctype, want in (("application/json", 403), ("text/plain", 415)):
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": ctype})
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError(f"a {ctype} drain from another host got in")
+        except urllib.error.HTTPError as exc:
+            status, data = exc.code, json.loads(exc.read())
+        assert status == want, (ctype, status, data)
+        assert_error_body(data)
+    status, data = http_json_from(target.host, url, body)
+    assert status == 404 and "no-such-node" in data["error"]["message"], (status, data)
+    assert tiny_mesh.daemons[0].status()["plan"] == plan  # nothing was drained
