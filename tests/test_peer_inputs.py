@@ -8,7 +8,8 @@ files a supernode serves from an aiohttp app of its own.
 What must hold: each bad frame is refused (that link closed with 4002, or the plan
 rejected), no file appears outside the state directory, the peer's own manifest and
 shards are byte for byte what they were, and the node goes on: its task runs, /healthz
-answers within 1 s, and once the attacker leaves it serves again.
+answers within 1 s, and once the attacker leaves it serves again. Its file endpoint
+then refuses a shard that is a symlink.
 """
 
 from __future__ import annotations
@@ -275,4 +276,23 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
             await asyncio.sleep(0.1)
         assert await healthz_within_1s(http, served.url) == 200
         assert not served.task.done()
+        assert tree_digest(own_model) == own_before
+
+        # 4. The file endpoint sends regular files only: a manifest-listed name that is a
+        # symlink (to anything this process may read) is refused, even to a member.
+        name = sorted(manifest.files)[0]
+        real = own_model / name
+        kept = own_model.parent / (name + ".kept")
+        real.rename(kept)
+        real.symlink_to(kept)
+        try:
+            path = f"/mesh/files/{manifest.name}/{name}"
+            async with http.get(served.url + path, headers=node.mesh_auth(path)) as resp:
+                assert resp.status == 403, resp.status
+            path = f"/mesh/files/{manifest.name}/{MANIFEST_FILE}"
+            async with http.get(served.url + path, headers=node.mesh_auth(path)) as resp:
+                assert resp.status == 200 and await resp.read() == manifest.to_bytes()
+        finally:
+            real.unlink()
+            kept.rename(real)
     assert tree_digest(own_model) == own_before
