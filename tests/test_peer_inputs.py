@@ -37,12 +37,14 @@ from protocol.messages import (
     MAX_TERM,
     Accept,
     Assignment,
+    Auth,
     Bye,
     Capabilities,
     Commit,
     Drop,
     Fail,
     ForwardBatch,
+    Hello,
     NodeId,
     Ping,
     Plan,
@@ -132,7 +134,9 @@ def bad_frames(outside: Path) -> list[tuple[str, bytes]]:
     hidden = torch.zeros(1, 4)
     seg = Segment(SessionId("s1"), 0, 1)
     plan = Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),))
-    samples = [Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),)),
+    caps = Capabilities(vram=1, ram=1, device="cpu", api_port=1, mem_budget=1, layer_ms=1.0, models=("tiny",))
+    samples = [Hello(1, NodeId("a"), "home", "n", b"\0" * 16, caps), Auth(b"\0" * 32),
+               Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),)),
                Accept(1, Span(0, 1)), Reject(1, "no"), Commit(1), ForwardBatch(1, 1, (seg,), hidden),
                ResultBatch(1, 1, hidden), Fail(1, 1, "x"), Drop(1, SessionId("s1")), Bye("x"), Ping(1, 1.0),
                Pong(1, 1.0)]
@@ -156,6 +160,11 @@ def bad_frames(outside: Path) -> list[tuple[str, bytes]]:
         ("fwdb.session=path", tampered(ForwardBatch(1, 1, (seg,), hidden),
                                        segments=[{"session": "x" * 4096, "start": 0, "rows": 1}])),
         ("reject.held_term=huge", tampered(Reject(1, "stale", code=RejectCode.STALE_TERM), held_term=HUGE)),
+        ("hello.caps.models=path", tampered(samples[0], caps=dict(msgpack.unpackb(encode(samples[0]))["caps"],
+                                                                 models=["../../x"]))),
+        ("hello.caps.layer_ms=-1", tampered(samples[0], caps=dict(msgpack.unpackb(encode(samples[0]))["caps"],
+                                                                 layer_ms=-1.0))),
+        ("fwdb.hidden=int64", encode(ForwardBatch(1, 1, (seg,), torch.zeros(1, 4, dtype=torch.int64)))),
     ]
     return out
 
@@ -164,8 +173,8 @@ def test_codec_refuses_path_names_and_out_of_range_values(tmp_path):
     """The protocol layer is where they stop: each typed field's bad value is a ProtocolError."""
     refused = [name for name, raw in bad_frames(tmp_path) if _refused(raw)]
     must = [n for n, _ in bad_frames(tmp_path)
-            if n.endswith(f"={HUGE}") or n.endswith("=-1") or n.startswith(("plan.", "fwdb.", "reject.held"))
-            and not n.endswith(("reason=path",))]
+            if n.endswith(f"={HUGE}") or n.endswith("=-1") or n.startswith(("plan.", "reject.held", "hello.caps"))
+            or n.startswith("fwdb.") and n != "fwdb.hidden=int64"]
     assert set(must) <= set(refused), sorted(set(must) - set(refused))
 
 
