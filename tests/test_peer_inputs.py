@@ -96,22 +96,39 @@ class Attacker:
         caps = Capabilities(vram=self.vram, ram=0, device="cpu", api_port=self.port, mem_budget=0, layer_ms=0.0)
         async with http.ws_connect(self.url + "/mesh/ws", max_msg_size=64 << 20, compress=0) as ws:
             await handshake(ws, me, caps)
-            yield ws
+            yield Wire(ws)
 
 
-async def next_reply(ws, timeout: float = 10.0):
-    """The next message that is not a Ping (answered), or None once the link is closed."""
-    async with asyncio.timeout(timeout):
-        while True:
-            frame = await ws.receive()
-            if frame.type != aiohttp.WSMsgType.BINARY:
-                return None
-            msg = decode(frame.data)
-            if isinstance(msg, Ping):
-                await ws.send_bytes(encode(Pong(msg.seq, msg.sent)))
-                continue
-            if not isinstance(msg, Plan):  # the node's own plans while it leads: not an answer
-                return msg
+class Wire:
+    """The attacker's end of an authenticated link: frames by hand, replies as they come
+    (the one place that knows how frames travel on the link)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
+        self.ws = ws
+
+    async def send_raw(self, frame: bytes) -> None:
+        await self.ws.send_bytes(frame)
+
+    async def send(self, msg) -> None:
+        await self.send_raw(encode(msg))
+
+    @property
+    def close_code(self) -> int | None:
+        return self.ws.close_code
+
+    async def next_reply(self, timeout: float = 10.0):
+        """The next message that is not a Ping (answered) or one of the node's own Plans,
+        or None once the link is closed."""
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = await self.ws.receive()
+                if frame.type != aiohttp.WSMsgType.BINARY:
+                    return None
+                msg = decode(frame.data)
+                if isinstance(msg, Ping):
+                    await self.send(Pong(msg.seq, msg.sent))
+                elif not isinstance(msg, Plan):
+                    return msg
 
 
 async def healthz_within_1s(http: aiohttp.ClientSession, url: str) -> int:
@@ -208,13 +225,13 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
         quiet = Attacker(served.url, node.secret, vram=0)
         closed = 0
         for name, raw in bad_frames(outside):
-            async with quiet.link(http) as ws:
-                await ws.send_bytes(raw)
-                await ws.send_bytes(encode(Ping(1, 1.0)))  # a live link answers it
-                reply = await next_reply(ws)
+            async with quiet.link(http) as wire:
+                await wire.send_raw(raw)
+                await wire.send(Ping(1, 1.0))  # a live link answers it
+                reply = await wire.next_reply()
                 if reply is None:
                     closed += 1
-                    assert ws.close_code in (CLOSE_PROTOCOL, 4005), (name, ws.close_code)
+                    assert wire.close_code in (CLOSE_PROTOCOL, 4005), (name, wire.close_code)
             assert not served.task.done(), f"{name} ended the node"
             assert await healthz_within_1s(http, served.url) in (200, 503), name
         assert closed >= len(bad_frames(outside)) // 2
@@ -225,7 +242,7 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
         evil = Attacker(served.url, node.secret, vram=64 * GiB)
         runner = await evil.serve_files()
         try:
-            async with evil.link(http) as ws:
+            async with evil.link(http) as wire:
                 deadline = time.monotonic() + 15
                 while node.view.supernode != evil.node_id and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
@@ -242,8 +259,8 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
                 zero = json.dumps(cfg).encode()
                 evil.files[(manifest.name, MANIFEST_FILE)] = zero
                 term = node.view.term + 1
-                await ws.send_bytes(encode(plan(term, manifest.name, hashlib.sha256(zero).hexdigest())))
-                reply = await next_reply(ws, 20)
+                await wire.send(plan(term, manifest.name, hashlib.sha256(zero).hexdigest()))
+                reply = await wire.next_reply(20)
                 assert isinstance(reply, Reject) and reply.code is RejectCode.CANNOT_LOAD, reply
                 assert "n_kv_heads" in reply.reason, reply.reason  # the fetch's error travels in the reason
 
@@ -258,24 +275,24 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
                 raw = json.dumps(other).encode()
                 evil.files[(manifest.name, MANIFEST_FILE)] = raw
                 digest = hashlib.sha256(raw).hexdigest()
-                await ws.send_bytes(encode(plan(term + 1, manifest.name, digest)))
-                reply = await next_reply(ws, 30)
+                await wire.send(plan(term + 1, manifest.name, digest))
+                reply = await wire.next_reply(30)
                 assert isinstance(reply, Reject) and reply.code is RejectCode.CANNOT_LOAD, reply  # junk shards
                 assert tree_digest(own_model) == own_before, "the peer's own model was changed"
                 fetched = state / "models" / ".by-digest" / digest
                 assert (fetched / MANIFEST_FILE).read_bytes() == raw  # kept apart, by its digest
 
                 # 2c. A path for a name and a term at the bound: refused, nothing written.
-                await ws.send_bytes(tampered(plan(term + 2, manifest.name, digest), model=str(outside / "x")))
-                assert await next_reply(ws) is None and ws.close_code == CLOSE_PROTOCOL
+                await wire.send_raw(tampered(plan(term + 2, manifest.name, digest), model=str(outside / "x")))
+                assert await wire.next_reply() is None and wire.close_code == CLOSE_PROTOCOL
             assert not any(outside.iterdir())
             assert not served.task.done()
             assert await healthz_within_1s(http, served.url) in (200, 503)
             # An unasked Reject naming the highest term leaves the term alone.
-            async with quiet.link(http) as ws:
-                await ws.send_bytes(encode(Reject(1, "stale", code=RejectCode.STALE_TERM, held_term=MAX_TERM)))
-                await ws.send_bytes(encode(Ping(2, 1.0)))
-                assert isinstance(await next_reply(ws), Pong)
+            async with quiet.link(http) as wire:
+                await wire.send(Reject(1, "stale", code=RejectCode.STALE_TERM, held_term=MAX_TERM))
+                await wire.send(Ping(2, 1.0))
+                assert isinstance(await wire.next_reply(), Pong)
             assert node.view.term < MAX_TERM
         finally:
             await runner.cleanup()
