@@ -1,8 +1,9 @@
 """Gemma 3 270M on one node against llama.cpp's llama-bench on the same GGUF file with the
 same threads, side by side in one run: prefill and decode tok/s, peak RSS.
 
-meshd runs the model as ``meshd model fetch gemma3-270m`` converts it (the Q4_K_M file
-dequantized to fp32 shards), one stage holding every layer, at fp32 and at bf16.
+meshd runs the model as ``meshd model fetch gemma3-270m`` converts it (the Q4_K_M file's
+quantization kept, shards/ggml_blocks.py), one stage holding every layer, with fp32 and
+with bf16 activations.
 llama-bench runs the file as shipped. Speed: the configurations take turns, round after
 round (meshd in one worker process loaded once, llama-bench one repetition a round), and
 each one's best round counts, so what else shares the cores weighs on all of them alike.
@@ -152,7 +153,7 @@ def main() -> None:
         return worker_main(a.worker[0], a.worker[1], a.threads, a.prompt, a.decode, a.once)
 
     state = Path(a.state_dir)
-    fetch = subprocess.run([sys.executable, "-m", "meshd.cli", "model", "fetch", "gemma3-270m", "--state-dir",
+    fetch = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "fetch", "gemma3-270m", "--state-dir",
                             str(state)], capture_output=True, text=True, cwd=ROOT)
     if fetch.returncode != 0:
         raise SystemExit(f"meshd model fetch gemma3-270m failed:\n{fetch.stderr[-2000:]}")

@@ -27,7 +27,8 @@ STREAM_STEPS = 16
 
 # name -> (convert kwargs or None for the fp32 directory itself)
 CONFIGS = {
-    "fp32": None,
+    "fp32": {"dtype": "float32"},
+    "gguf": None,  # the default model as fetched: the GGUF's own Q4_1 / Q8_0 kept
     "int8": {"quantize": "int8"},
     "int8+head8": {"quantize": "int8", "quantize_head": True},
     "int4": {"quantize": "int4"},
@@ -177,6 +178,7 @@ def _run_child(args: list[str], threads: int) -> dict:
 
 
 def model_dir_for(name: str, fp32_dir: Path, gguf: Path | None) -> Path:
+    """(``fp32_dir`` is the default model's directory, which is now the GGUF kept as shipped.)"""
     kwargs = CONFIGS[name]
     if kwargs is None:
         return fp32_dir

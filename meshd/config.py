@@ -79,6 +79,11 @@ class Config:
     # KV cache positions (summed over sessions, prompt + max_tokens each) the
     # supernode admits before answering 503; None: a quarter of the memory budget.
     kv_budget_tokens: int | None = None
+    # Batch jobs (OpenAI's Batch API): lines this peer keeps in flight at once (enough
+    # to fill a step's batch; the scheduler keeps interactive requests ahead of them),
+    # and the size bound of the batch store (SQLite in the state dir: files, results).
+    batch_concurrency: int = 32
+    batch_max_bytes: int = 1 << 30
     log_level: str = "info"
     # HTTP API keys (one per line): when set, completions and models need
     # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,
@@ -113,6 +118,10 @@ class Config:
             raise ConfigError("max_connections: must be at least 8")
         if self.http_idle_s <= 0:
             raise ConfigError("http_idle_s: must be > 0")
+        if not 1 <= self.batch_concurrency <= 1024:
+            raise ConfigError("batch_concurrency: must be from 1 to 1024")
+        if self.batch_max_bytes < 1 << 20:
+            raise ConfigError("batch_max_bytes: must be at least 1 MiB")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:
             raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -51,4 +51,8 @@ class BadRequest(MeshError):
         self.param = param
 
 
+class StorageFull(MeshError):
+    """The state disk, or the batch store's configured bound, has no room (HTTP 507)."""
+
+
 KNOWN_ERRORS = (MeshError, ShardsError)

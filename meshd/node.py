@@ -40,7 +40,8 @@ from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, check_files_token, files_token
 from meshd.errors import NoCapacity, PeerLost, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
-from meshd.serving import api
+from meshd.serving import api, batchapi
+from meshd.serving.batch import BatchRunner
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
@@ -125,6 +126,7 @@ class Node:
                                  forwarded=self.metrics.forwarded)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
+        self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
 
     # -- identity ------------------------------------------------------------------
 
@@ -160,6 +162,7 @@ class Node:
 
     def make_app(self) -> web.Application:
         app = api.make_app(self)
+        batchapi.add_routes(app)  # OpenAI's Batch API (/v1/files, /v1/batches) over this peer's runner
         app.router.add_get("/mesh/ws", self.keeper.ws_handler)
         app.router.add_get("/mesh/files/{model}/{name}", self._files_handler)
         return app
@@ -193,6 +196,7 @@ class Node:
                     tg.create_task(self.keeper.discovery_loop())
                 tg.create_task(self.leader.run())
                 tg.create_task(self.scheduler.run())
+                tg.create_task(self.batches.run(client_tls))
                 tg.create_task(self.keeper.heartbeat_loop())
                 tg.create_task(self.keeper.connect_loop())
                 if on_ready is not None:
@@ -203,6 +207,7 @@ class Node:
                 await stop.wait()
                 log.info("node_stopping")
                 self.stopping = True  # new requests get a 503 from here on; those in flight finish
+                self.batches.stop()  # batch lines in flight are cut off: they run again after a restart
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None

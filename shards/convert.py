@@ -38,29 +38,33 @@ def open_source(src: Path) -> GGUFSource | HFSource:
     raise ModelError(f"{src} is neither a GGUF file nor a Hugging Face directory (config.json + *.safetensors)")
 
 
-def _write_atomic(path: Path, data: bytes) -> FileEntry:
+def _write_atomic(path: Path, data: bytes, resident: int | None = None) -> FileEntry:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return FileEntry(hashlib.sha256(data).hexdigest(), len(data))
+    return FileEntry(hashlib.sha256(data).hexdigest(), len(data), resident)
 
 
-def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
-    # Quantized codes and their scales/zeros are stored as quantize_weight made them.
-    cast = lambda k, v: v if k.endswith((".qweight", ".scales", ".zeros")) else v.to(dtype)  # noqa: E731
+def _tensors_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> bytes:
+    # Quantized codes and their scales/zeros are stored as made; floats in ``dtype`` (None: as they are).
+    cast = lambda k, v: v if dtype is None or k.endswith((".qweight", ".scales", ".zeros")) else v.to(dtype)  # noqa: E731
     return save({k: cast(k, v).contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
 
 
-def up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> bool:
-    """A finished conversion of the same name and dtype whose every file checks out."""
+def up_to_date(out: Path, name: str, dtype: str | None, qspec: dict | None = None) -> bool:
+    """A finished conversion of the same name, dtype (None: as shipped) and quantization
+    whose every file checks out."""
     if not (out / MANIFEST_FILE).is_file():
         return False
     try:
         manifest = Manifest.load(out)
-        if manifest.name != name or manifest.dtype != dtype or manifest.quant != qspec:
+        have = manifest.quant or {}
+        if manifest.name != name or (dtype is not None and manifest.dtype != dtype):
+            return False
+        if {k: have.get(k) for k in (qspec or {})} != (qspec or {}) or bool(have) != bool(qspec):
             return False
         manifest.verify(out)
     except ShardsError as e:
@@ -69,65 +73,101 @@ def up_to_date(out: Path, name: str, dtype: str, qspec: dict | None = None) -> b
     return True
 
 
-def convert(src: Path, out: Path, dtype: str = "float32", name: str | None = None,
+AS_SHIPPED = {"kind": "gguf"}  # manifest "quant" of a GGUF converted with its own quantization
+
+
+def convert(src: Path, out: Path, dtype: str | None = None, name: str | None = None,
             progress: bool = True, quantize: str | None = None, quantize_head: bool | str = False,
             group_size: int = quant.DEFAULT_GROUP) -> Path:
     """Write the model directory for ``src`` into ``out`` and return ``out``.
 
-    ``quantize`` int8|int4 stores the layers' linears weight-only quantized (the manifest's
-    dtype is then that kind; norms stay ``dtype``); ``quantize_head`` (True: the same kind,
-    or a kind) the head too, and a tied embedding with it.
+    A GGUF file keeps its own quantization unless ``dtype`` (float32|bfloat16|float16) asks
+    for it expanded: each tensor's blocks become shard tensors code for code, recorded per
+    tensor in the manifest (shards/ggml_blocks.py). A Hugging Face directory is stored in
+    ``dtype`` (default float32). ``quantize`` int8|int4 requantizes the layers' linears
+    weight-only (the manifest's dtype is then that kind; norms stay ``dtype``);
+    ``quantize_head`` (True: the same kind, or a kind) the head too, and a tied embedding.
     """
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"dtype {dtype!r} not one of {sorted(DTYPES)}")
     spec = None
     if quantize:
         head_kind = quantize_head if isinstance(quantize_head, str) else None
         spec = quant.QuantSpec(quantize, group_size, head=bool(quantize_head), head_kind=head_kind)
-    qspec = spec.to_dict() if spec else None
-    dtype_name = dtype
-    dtype = spec.kind if spec else dtype  # what the manifest says
     src, out = Path(src), Path(out)
+    shipped = spec is None and dtype is None and is_gguf(src)
+    dtype_name = dtype or "float32"
+    qspec = spec.to_dict() if spec else (dict(AS_SHIPPED) if shipped else None)
+    label = spec.kind if spec else (None if shipped else dtype_name)  # what the manifest says
     # With a name given, a finished directory is recognised without opening the source.
-    if name is not None and up_to_date(out, name, dtype, qspec):
+    if name is not None and up_to_date(out, name, label, qspec):
         log.info("convert_skipped", out=str(out), model=name)
         return out
     source = open_source(src)
     if name is None:
         name = source.name
-        if up_to_date(out, name, dtype, qspec):
+        if up_to_date(out, name, label, qspec):
             log.info("convert_skipped", out=str(out), model=name)
             return out
+    if shipped:
+        label = source.file_type
     out.mkdir(parents=True, exist_ok=True)
     # Whatever manifest was there no longer describes the files about to be written.
     (out / MANIFEST_FILE).unlink(missing_ok=True)
-    log.info("convert_started", src=str(src), out=str(out), format=source.format, model=name, dtype=dtype)
-    tdtype = DTYPES[dtype_name]
+    log.info("convert_started", src=str(src), out=str(out), format=source.format, model=name, dtype=label)
+    tdtype = None if shipped else DTYPES[dtype_name]
     cfg = source.config
     files: dict[str, FileEntry] = {}
+    records: dict[str, quant.TensorQuant] = {}
     files[TOKENIZER_FILE] = _write_atomic(out / TOKENIZER_FILE, source.tokenizer_bytes())
     bar = tqdm(total=cfg.n_layers + 1, desc=f"convert {name}", unit="shard", disable=not progress)
     with bar:
-        embed = source.embed_tensors()
-        _check_shapes(embed, cfg, None)
-        if spec is not None:
-            embed = quant.quantize_tensors(embed, spec, head=True)
-            _check_shapes(embed, cfg, None, spec)
-        files[EMBED_FILE] = _write_atomic(out / EMBED_FILE, _tensors_bytes(embed, tdtype))
+        if shipped:
+            embed, recs = source.embed_as_shipped()
+        else:
+            embed = source.embed_tensors()
+            _check_shapes(embed, cfg, None)
+            recs = {}
+            if spec is not None:
+                embed = quant.quantize_tensors(embed, spec, head=True)
+                recs = quant.spec_records(embed, spec, "")
+        records |= recs
+        _check_shapes(embed, cfg, None, recs)
+        lookup = "tok_embeddings" if "tok_embeddings" in recs else None
+        files[EMBED_FILE] = _write_atomic(out / EMBED_FILE, _tensors_bytes(embed, tdtype),
+                                          _resident(embed, recs, "", lookup))
         del embed
         bar.update(1)
         for i in range(cfg.n_layers):
-            layer = source.layer_tensors(i) if spec is None else quant.source_layer(source, i, spec)
-            _check_shapes(layer, cfg, i, spec)
-            files[layer_file(i)] = _write_atomic(out / layer_file(i), _tensors_bytes(layer, tdtype))
+            recs = {}
+            if shipped:
+                layer, recs = source.layer_as_shipped(i)
+            elif spec is None:
+                layer = source.layer_tensors(i)
+            else:
+                layer = quant.source_layer(source, i, spec)
+                recs = quant.spec_records(layer, spec, f"layers.{i}.")
+            records |= recs
+            _check_shapes(layer, cfg, i, recs)
+            files[layer_file(i)] = _write_atomic(out / layer_file(i), _tensors_bytes(layer, tdtype),
+                                                 _resident(layer, recs, f"layers.{i}."))
             bar.update(1)
-    manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=dtype,
+    if qspec is not None:
+        qspec["tensors"] = {k: r.to_dict() for k, r in sorted(records.items())}
+    manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=label,
                         files=files, chat_template=source.chat_template, quant=qspec,
                         special_tokens=source.special_tokens or None)
     manifest.write(out)
     log.info("convert_done", out=str(out), model=name, files=len(files),
              bytes=sum(e.size for e in files.values()), digest=manifest.digest[:12])
     return out
+
+
+def _resident(tensors: dict[str, torch.Tensor], records: dict, prefix: str, lookup: str | None = None) -> int | None:
+    """Bytes in memory once loaded, where that differs from the file's (quantized files)."""
+    if not records:
+        return None
+    return quant.resident_bytes({k: tuple(v.shape) for k, v in tensors.items()}, records, prefix, lookup)
 
 
 def expected_shapes(cfg: ModelConfig, layer: int | None) -> dict[str, tuple[int, ...]]:
@@ -145,10 +185,10 @@ def expected_shapes(cfg: ModelConfig, layer: int | None) -> dict[str, tuple[int,
 
 
 def _check_shapes(tensors: dict[str, torch.Tensor], cfg, layer: int | None,
-                  spec: quant.QuantSpec | None = None) -> None:
+                  records: dict[str, quant.TensorQuant] | None = None) -> None:
     want = expected_shapes(cfg, layer)
-    if spec is not None:
-        want = quant.quantized_shapes(want, spec, head=layer is None)
+    if records:
+        want = quant.stored_shapes(want, records, "" if layer is None else f"layers.{layer}.")
     if set(tensors) != set(want):
         raise ModelError(f"layer {layer}: tensors {sorted(tensors)} != expected {sorted(want)}")
     for k, shape in want.items():

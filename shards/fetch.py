@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from shards.errors import ModelError
-from shards.convert import convert, up_to_date
+from shards.convert import AS_SHIPPED, convert, up_to_date
 from shards.manifest import MANIFEST_FILE, Manifest
 
 log = structlog.get_logger()
@@ -36,7 +36,7 @@ class KnownModel:
     filename: str
     sha256: str | None = None  # of the whole file
     sums: Part | None = None  # the publisher's SHA256SUMS, which must list the same sha256
-    dtype: str = "float32"
+    dtype: str | None = None  # None: the GGUF's own quantization, kept as shipped
 
     @property
     def member(self) -> str:
@@ -152,7 +152,7 @@ def fetch_default(state_dir: Path, name: str = "smollm2-135m", progress: bool = 
     if known is None:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     out = models_dir(state_dir) / name
-    if up_to_date(out, name, known.dtype):  # converted before: nothing to download or hash
+    if up_to_date(out, name, known.dtype, None if known.dtype else AS_SHIPPED):  # converted before: nothing to download or hash
         log.info("convert_skipped", out=str(out), model=name)
         return out
     source = _assemble(Path(state_dir) / "cache", known, progress)

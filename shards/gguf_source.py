@@ -1,4 +1,4 @@
-"""Reading a llama.cpp GGUF file: config from its metadata, dequantized tensors, its vocabulary."""
+"""Reading a llama.cpp GGUF file: config from its metadata, tensors (dequantized, or as shipped), its vocabulary."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, LlamaFileType
 from gguf.quants import dequantize
 
 from shards.errors import ModelError
 from shards.families import GGUFMeta, for_gguf
 from shards.families.base import unpermute_rope  # noqa: F401  (where tests and users found it)
-from shards.quant import from_q4_1
+from shards.ggml_blocks import repack
+from shards.quant import TensorQuant
 from shards.source import TensorSource
 from shards.tokenizer import gguf_special_tokens, tokenizer_from_gguf
 
@@ -113,26 +114,54 @@ class GGUFSource(TensorSource):
         arr = dequantize(t.data, t.tensor_type)  # numpy, rows-major: [out, in]
         return torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # a writable copy
 
-    def _get_q4_1(self, name: str) -> torch.Tensor | dict[str, torch.Tensor]:
-        """A Q4_1 matrix as our int4 group-32 tensors, code for code; others dequantized."""
-        t = self._tensors.get(name)
-        if t is None or t.tensor_type != GGMLQuantizationType.Q4_1:
-            return self._get(name)
-        cols, rows = (int(n) for n in t.shape)  # GGUF lists [in, out]
-        return from_q4_1(t.data, rows, cols)
+    def _read_as_shipped(self, layer: int | None) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        """Our tensors of the embed file (``layer`` None) or of one layer in the GGUF's own
+        types: a matrix's blocks repacked code for code (shards/ggml_blocks.py:
+        ``<base>.qweight/.scales[/.zeros]``, or ``<base>.weight`` as F32/F16/BF16), other
+        tensors (norms, biases) as float32; with a record per matrix.
 
-    def layer_tensors_q4_1(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i`` with its Q4_1 matrices as ``<name>.qweight/.scales/.zeros`` (the
-        family's row transforms move codes, scales and zeros together); other tensors
-        dequantized as in ``layer_tensors``."""
+        Read through the family's tables like ``layer_tensors``, so its row transforms apply
+        to the blocks: a quantized row is self-contained (its blocks run along the input),
+        so llama.cpp's Q/K row order is undone and fused tensors are cut by moving whole
+        rows of codes, scales and zeros together."""
+        shipped: dict[str, TensorQuant] = {}  # GGUF name -> record of what was repacked
+
+        def get(name: str):
+            t = self._tensors.get(name)
+            if t is None:
+                raise ModelError(f"{self.path.name} lacks tensor {name}")
+            if len(t.shape) < 2:
+                return self._get(name)
+            cols, rows = (int(n) for n in t.shape[:2])  # GGUF lists [in, out]
+            parts, shipped[name] = repack(name, t.tensor_type, t.data, rows, cols)
+            return parts
+
+        prefix = "" if layer is None else f"layers.{layer}."
         out: dict[str, torch.Tensor] = {}
-        for ours, w in self.family.read(self.format, self._get_q4_1, self.config, i).items():
-            if isinstance(w, dict):
-                base = ours.removesuffix(".weight")
-                out |= {f"{base}.{k}": v for k, v in w.items()}
-            else:
+        records: dict[str, TensorQuant] = {}
+        for ours, w in self.family.read(self.format, get, self.config, layer).items():
+            if not isinstance(w, dict):
                 out[ours] = w
-        return out
+                continue
+            base = ours.removesuffix(".weight")
+            out |= {f"{base}.{k}": v for k, v in w.items()}
+            records[prefix + base] = shipped[self.family.source_name(self.format, ours, layer)]
+        return out, records
+
+    def layer_as_shipped(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        return self._read_as_shipped(i)
+
+    def embed_as_shipped(self) -> tuple[dict[str, torch.Tensor], dict[str, TensorQuant]]:
+        return self._read_as_shipped(None)
+
+    @property
+    def file_type(self) -> str:
+        """The file's quantization mix as llama.cpp names it (q4_k_m, q8_0, ...)."""
+        ft = self.fields.get("general.file_type")
+        try:
+            return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_").lower() if ft is not None else "gguf"
+        except ValueError:
+            return "gguf"
 
     def tokenizer_bytes(self) -> bytes:
         return tokenizer_from_gguf(self.fields).to_str(pretty=False).encode()

@@ -70,6 +70,7 @@ def check_model_name(name: object) -> str:
 class FileEntry:
     sha256: str
     size: int
+    resident: int | None = None  # bytes once loaded, where not ``size`` (quantized: kernel layouts)
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,10 @@ class Manifest:
     dtype: str
     files: dict[str, FileEntry]
     chat_template: str | None = None
-    # Weight-only quantization (``dtype`` is then its kind): {"kind": "int8"|"int4",
-    # "group_size", "head": bool, "head_kind"}; see shards/quant.py. None: plain floats.
+    # Weight-only quantization: {"kind": "int8"|"int4", "group_size", "head", "head_kind"} of a
+    # requantization (``dtype`` is then its kind), or {"kind": "gguf"} for a GGUF kept as shipped
+    # (``dtype`` is its file type, q4_k_m...); with "tensors": one record per quantized linear
+    # (shards/quant.py's TensorQuant), which loading builds the modules from. None: plain floats.
     quant: dict | None = None
     # Texts of bos_token, eos_token, unk_token, pad_token for chat templates (None: none known).
     special_tokens: dict[str, str] | None = None
@@ -107,7 +110,8 @@ class Manifest:
             "n_layers": self.n_layers,
             "config": self.config.to_dict(),
             "chat_template": self.chat_template,
-            "files": {n: {"sha256": e.sha256, "size": e.size} for n, e in sorted(self.files.items())},
+            "files": {n: {"sha256": e.sha256, "size": e.size} | ({"resident": e.resident} if e.resident else {})
+                      for n, e in sorted(self.files.items())},
         } | ({"quant": dict(self.quant)} if self.quant else {}) | (
             {"special_tokens": dict(self.special_tokens)} if self.special_tokens else {})
 
@@ -170,11 +174,14 @@ class Manifest:
         return names
 
     def layer_bytes(self, i: int) -> int:
-        return self.files[layer_file(i)].size
+        """Bytes layer ``i`` takes in a peer's memory (what placement counts)."""
+        e = self.files[layer_file(i)]
+        return e.resident or e.size
 
     @property
     def embed_bytes(self) -> int:
-        return self.files[EMBED_FILE].size
+        e = self.files[EMBED_FILE]
+        return e.resident or e.size
 
     # -- checking files against it --------------------------------------------------
 
@@ -220,7 +227,10 @@ def _file_entry(e: dict) -> FileEntry:
         raise ModelError(f"manifest sha256 {str(sha)[:80]!r} is not 64 lowercase hex digits")
     if type(size) is not int or not 0 <= size <= MAX_FILE_SIZE:
         raise ModelError(f"manifest file size {size!r} is outside 0..{MAX_FILE_SIZE}")
-    return FileEntry(sha, size)
+    resident = e.get("resident")
+    if resident is not None and (type(resident) is not int or not 0 <= resident <= MAX_FILE_SIZE):
+        raise ModelError(f"manifest resident size {resident!r} is outside 0..{MAX_FILE_SIZE}")
+    return FileEntry(sha, size, resident)
 
 
 def _special_tokens(data) -> dict[str, str] | None:

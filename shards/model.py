@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from shards.errors import ModelError
-from shards import quant
+from shards import qlinear, quant
 from shards.config import ModelConfig
 from shards.families import family
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
@@ -291,8 +291,12 @@ def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: 
             if theirs not in have:
                 raise ModelError(f"{path.name} lacks tensor {theirs}")
             if theirs not in read:  # a tied head shares the embedding's tensor
-                t = st.get_tensor(theirs)  # quantized codes keep their integer dtype
-                read[theirs] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                t = st.get_tensor(theirs)  # quantized tensors keep their dtypes (codes, fp16/fp32 scales)
+                keep = not t.is_floating_point() or theirs.endswith((".scales", ".zeros"))
+                moved = t.to(device=device, dtype=t.dtype if keep else dtype)
+                # A tensor still on the file's mmap keeps the whole file resident beside the
+                # copies made from it (packed layouts): own the bytes, let the map go.
+                read[theirs] = moved.clone() if moved.data_ptr() == t.data_ptr() else moved
             out[ours] = read[theirs]
     return out
 
@@ -310,9 +314,9 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
     device = torch.device(device)
     with torch.device("meta"):
         stage = Stage(manifest.config, span, embed, head)
-    spec = quant.QuantSpec.from_dict(manifest.quant) if manifest.quant else None
-    if spec is not None:
-        quant.swap_in(stage, spec)  # QuantLinears whose tensors are the shard files'
+    records = quant.records_of(manifest.quant, manifest.config)
+    if records:
+        qlinear.swap_in(stage, records)  # QuantLinears whose tensors are the shard files'
     state: dict[str, Tensor] = {}
     if embed or head:
         keys = []
@@ -330,7 +334,7 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
         state |= _read(model_dir / layer_file(i), keys, device, dtype)
     stage.load_state_dict(state, strict=True, assign=True)
     stage.tie()
-    if spec is not None:
-        quant.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
+    if records:
+        qlinear.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
     stage.eval()
     return stage, manifest

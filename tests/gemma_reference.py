@@ -3,10 +3,13 @@ in a process of its own: the two fp32 copies of the model peak near 4 GB, and a 
 process that grew so big hands that high-water mark on to every process it starts later
 (Linux keeps ru_maxrss across exec; the atheris fuzz test then runs out of its 2 GB limit).
 
-    python -m tests.gemma_reference MODEL_DIR GGUF_FILE DEVICE TOKENS PROMPT... > result.json
+    python -m tests.gemma_reference [--kept KEPT_DIR] MODEL_DIR GGUF_FILE DEVICE TOKENS PROMPT... > result.json
 
 Prints one JSON object: for each prompt the token ids of both and the largest logit
 difference on the prompt; for each text of the tokenizer check the differences found.
+MODEL_DIR is the file converted to float32 (``--dtype float32``). With ``--kept``, the
+same file converted keeping its quantization is run too: its greedy tokens, and how often
+its top-1 agrees with the float32 model's along the prompt and transformers' continuation.
 
 transformers reads GGUF metadata with llama.cpp's GGUFReader, which takes a minute on
 Gemma's 262k-token vocabulary here; the reference runs with meshd's FastGGUFReader in its
@@ -27,7 +30,7 @@ EXTRA_TEXTS = ["<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "
                "x     y", "\u2581odd", "<unused3> ok"]
 
 
-def main(model_dir: Path, gguf: Path, device: str, tokens: int, prompts: list[str]) -> dict:
+def main(model_dir: Path, gguf: Path, device: str, tokens: int, prompts: list[str], kept: Path | None = None) -> dict:
     import gguf as gguf_lib
     import transformers
 
@@ -76,9 +79,32 @@ def main(model_dir: Path, gguf: Path, device: str, tokens: int, prompts: list[st
         out["prompts"].append({"prompt": prompt, "ids": ids, "meshd": got, "transformers": want, "max_logit_diff": diff,
                                "text": tok.decode(got)})
     out["seconds"]["greedy"] = time.perf_counter() - t0
+    if kept is not None:
+        del reference
+        t0 = time.perf_counter()
+        quantized = [load_stage(kept, s, i == 0, i == 2, device, torch.float32)[0] for i, s in enumerate(spans)]
+        for r in out["prompts"]:
+            seq = r["ids"] + r["transformers"]
+            want, got = (_logits(stages, seq).argmax(-1), _logits(quantized, seq).argmax(-1))
+            r["kept"] = generate_greedy(quantized, r["ids"], tokens)
+            r["kept_top1"] = (want == got).float().mean().item()
+            r["kept_text"] = tok.decode(r["kept"])
+        out["seconds"]["kept"] = time.perf_counter() - t0
     return out
 
 
+def _logits(stages, ids: list[int]):
+    import torch
+
+    with torch.inference_mode():
+        x = stages[0].embed(torch.tensor(ids, device=stages[0].device))
+        for s in stages:
+            x = s(x, 0, s.new_caches())
+        return stages[-1].head(x).cpu()
+
+
 if __name__ == "__main__":
-    model_dir, gguf, device, tokens, *prompts = sys.argv[1:]
-    print(json.dumps(main(Path(model_dir), Path(gguf), device, int(tokens), prompts)))
+    args = sys.argv[1:]
+    kept = Path(args[1]) if args[0] == "--kept" else None
+    model_dir, gguf, device, tokens, *prompts = args[2:] if kept else args
+    print(json.dumps(main(Path(model_dir), Path(gguf), device, int(tokens), prompts, kept)))

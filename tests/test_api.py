@@ -20,6 +20,7 @@ import pytest
 
 from shards.engine import StageEngine, generate_greedy
 from shards.manifest import Manifest
+from shards.model import load_stage
 from shards.span import Span
 from shards.tokenizer import MeshTokenizer
 from tests.fixtures.api import PROMPT, assert_still_serves, complete, greedy, sse_events
@@ -391,11 +392,12 @@ async def test_concurrent_greedy_requests_equal_each_alone(tiny_node, client):
 
 
 @pytest.mark.real_model
-async def test_real_model_completion_equals_direct_greedy(real_model_dir, real_stage, tmp_path):
+async def test_real_model_completion_equals_direct_greedy(real_model_dir, tmp_path):
     tok = MeshTokenizer.load(real_model_dir)
     prompt = "The capital of France is"
     ids = tok.encode(prompt)
-    want = await asyncio.to_thread(generate_greedy, real_stage, ids, 16)
+    stage = load_stage(real_model_dir, Span(0, 30), True, True)[0]  # the model as served (Q4_1 kept)
+    want = await asyncio.to_thread(generate_greedy, stage, ids, 16)
     assert not set(want) & tok.eos_ids
     async with running_node(real_model_dir, tmp_path / "state") as served:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:

@@ -150,8 +150,12 @@ def test_files_for_and_sizes(tiny_model_dir):
 
 
 @pytest.mark.real_model
-def test_gguf_convert_real(real_model_dir, real_gguf_path):
+def test_gguf_convert_real(real_fp32_dir, real_gguf_path):
+    """``--dtype float32``: every tensor dequantized (the default keeps the GGUF's own
+    quantization: tests/test_gguf_quant.py)."""
+    real_model_dir = real_fp32_dir
     m = Manifest.load(real_model_dir)
+    assert m.dtype == "float32" and m.quant is None
     c = m.config
     assert (c.n_layers, c.hidden_size, c.intermediate_size, c.n_heads, c.n_kv_heads, c.head_dim) == \
         (30, 576, 1536, 9, 3, 64)

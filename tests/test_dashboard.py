@@ -117,6 +117,30 @@ def test_dashboard_shows_the_mesh_and_streams_a_chat(browser, three_peers):
         page.close()
 
 
+def test_dashboard_shows_a_running_batch_job(browser, three_peers):
+    """A batch job submitted to a peer shows on that peer's page with its progress."""
+    openai = pytest.importorskip("openai")
+    mesh, daemons, view = three_peers
+    entry = daemons[1]
+    client = openai.OpenAI(base_url=entry.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"prompt": f"Item {i}", "max_tokens": 64, "temperature": 0}}) + "\n"
+                    for i in range(40))
+    uploaded = client.files.create(file=("jobs.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    page = browser.new_page()
+    try:
+        page.goto(entry.url + "/", wait_until="load", timeout=30_000)
+        row = f'#batches tr[data-batch-id="{batch.id}"]'
+        page.wait_for_selector(row, timeout=20_000)
+        text = page.text_content(row)
+        assert "in_progress" in text and "/40" in text and "/v1/completions" in text, text
+        assert page.is_hidden("#batches-none")
+    finally:
+        page.close()
+        client.batches.cancel(batch.id)
+
+
 def test_dashboard_follows_a_peer_lost(browser, three_peers):
     """Live: the page's next polls show a peer that left as lost, without a reload."""
     mesh, daemons, view = three_peers

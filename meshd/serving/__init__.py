@@ -1,2 +1,2 @@
 """The serving path: the HTTP API, the entry peer's proxy, the supernode's scheduler
-and pipeline, and what a peer shows of itself (status, metrics, dashboard)."""
+and pipeline, batch jobs, and what a peer shows of itself (status, metrics, dashboard)."""

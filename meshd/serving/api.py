@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from meshd.control.transfer import AUTH_HEADER, check_files_token
-from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
+from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, Daemon
 from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
@@ -55,6 +55,8 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
         return error_response(f"the mesh cannot serve now: {exc}", 503)
+    except StorageFull as exc:
+        return error_response(str(exc), 507)
     except web.HTTPRequestEntityTooLarge:
         # aiohttp's exception keeps no size attribute; the limit is ours.
         limit = request.app[NODE].config.max_body_bytes
@@ -168,7 +170,8 @@ async def _whole(node: Daemon, req: CompletionRequest, client: str | None = None
     async def one(index: int) -> dict:
         text, ids, finish = [], [], None
         async for chunk in node.metrics.observe(node.scheduler.generate(
-            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), client=client, request=cid,
+            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
+            client=client, request=cid,
         )):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -195,7 +198,8 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
         first = True
         try:
             async for chunk in node.metrics.observe(node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), client=client, request=cid,
+                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
+                client=client, request=cid,
             )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)

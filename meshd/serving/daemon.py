@@ -11,6 +11,7 @@ from aiohttp import web
 from meshd.config import Config
 from meshd.control.mesh import MeshView
 from meshd.control.store import ModelStore
+from meshd.serving.batch import BatchRunner
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler
@@ -46,6 +47,7 @@ class Daemon(Upstream, Protocol):
     scheduler: Scheduler
     pipeline: Pipeline
     metrics: NodeMetrics
+    batches: BatchRunner
 
     @property
     def model_name(self) -> str: ...
@@ -56,6 +58,9 @@ class Daemon(Upstream, Protocol):
         """The supernode's tokenizer and context length, once it serves."""
 
     def unavailable_reason(self) -> str: ...
+
+    def own_url(self) -> str:
+        """This peer's own API (batch lines are sent there, as any client's request)."""
 
     async def drain_peer(self, peer: NodeId) -> dict: ...
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from meshd.control.mesh import MeshView, PeerState
+from meshd.serving.batch import batch_families
 
 # Seconds; a CPU decode step is 15-75 ms, a cold prefill can take seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -212,3 +213,7 @@ class _StateCollector:
         sessions = GaugeMetricFamily("meshd_sessions_active", "Generations in flight on this supernode")
         sessions.add_metric([], status["node"]["scheduler"]["active"])
         yield sessions
+        batch = GaugeMetricFamily("meshd_sessions_batch", "Of those, batch-job lines (interactive ones go first)")
+        batch.add_metric([], status["node"]["scheduler"]["batch_sessions"])
+        yield batch
+        yield from batch_families(status["batches"])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshd.errors import BadRequest, ModelError
+from meshd.serving.scheduler import Priority
 from shards.sampling import SamplingParams
 from shards.tokenizer import MeshTokenizer
 
@@ -30,6 +31,8 @@ class CompletionRequest:
     # meshd extension: tokens already generated (a resubmission after a supernode loss).
     resume: tuple[int, ...] = ()
     include_usage: bool = False
+    # meshd extension: "batch" for a batch job's line, which interactive requests go ahead of.
+    priority: Priority = Priority.INTERACTIVE
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
@@ -124,7 +127,11 @@ def parse_request(
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", param="stream_options")
     include_usage = bool(options.get("include_usage")) and stream
-    return CompletionRequest(chat, model, prompt_ids, params, n, stream, tuple(resume), include_usage)
+    priority = body.get("meshd_priority", "interactive")
+    if priority not in ("interactive", "batch"):
+        raise BadRequest('meshd_priority must be "interactive" or "batch"', param="meshd_priority")
+    return CompletionRequest(chat, model, prompt_ids, params, n, stream, tuple(resume), include_usage,
+                             Priority[priority.upper()])
 
 
 def completion_id(chat: bool) -> str:
@@ -178,8 +185,8 @@ def chunk_json(
 def error_json(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error shape, as a body or as an event of a stream that fails."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    code = {404: "model_not_found" if param == "model" else "not_found", 413: "request_too_large",
-            503: "mesh_unavailable"}.get(status)
+    code = {404: "model_not_found" if param == "model" else "not_found", 409: "conflict", 413: "request_too_large",
+            503: "mesh_unavailable", 507: "storage_full"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import structlog
 import torch
@@ -35,6 +36,24 @@ MAX_BATCH = 64  # sessions per lane step
 # request, all its choices, is admitted whenever the budget fits it): no client can lock
 # every other client out.
 CLIENT_SHARE = 0.5
+
+# Interactive requests keep priority over batch-job lines (meshd/serving/batch.py), which
+# fill the room they leave:
+# - while any interactive session runs, a lane step carries all its interactive sessions
+#   but at most BATCH_BESIDE_INTERACTIVE batch ones (taken in turn, see ``pick_step``), so
+#   an interactive stream's steps stay nearly as short as when it runs alone;
+# - batch sessions reserve at most BATCH_KV_SHARE of the KV budget (beyond it they get a
+#   503 and the batch runner retries), so room for interactive requests stays free.
+# With no interactive session running, batch sessions fill whole steps (MAX_BATCH).
+BATCH_BESIDE_INTERACTIVE = 4
+BATCH_KV_SHARE = 0.75
+
+
+class Priority(IntEnum):
+    """A session's class; interactive (any client request) unless a batch job sent it."""
+
+    INTERACTIVE = 0
+    BATCH = 1
 
 
 def new_session_id() -> str:
@@ -64,6 +83,7 @@ class Session:
     # reach a stage before that step's rows do.
     in_step: bool = False
     released: bool = False
+    priority: Priority = Priority.INTERACTIVE
 
     @property
     def generated(self) -> list[int]:
@@ -85,6 +105,26 @@ class Usage:
     completion_tokens: int = 0
 
 
+def pick_step(sessions: list[Session], interactive_running: bool, max_batch: int = MAX_BATCH) -> list[Session]:
+    """The sessions one lane step carries: interactive ones first, then batch ones up to
+    ``max_batch`` in all, or only BATCH_BESIDE_INTERACTIVE of them while an interactive
+    session runs anywhere (steps of other lanes share the stages' time)."""
+    first = [s for s in sessions if s.priority is Priority.INTERACTIVE][:max_batch]
+    room = max_batch - len(first)
+    if interactive_running:
+        room = min(room, BATCH_BESIDE_INTERACTIVE)
+    return first + [s for s in sessions if s.priority is Priority.BATCH][:room]
+
+
+def rotate_batch(sessions: list[Session], stepped: list[Session]) -> list[Session]:
+    """The lane's sessions with the batch ones that just had a step moved to the back,
+    so that when a step can carry only some batch sessions, each gets its turn."""
+    moved = {id(s) for s in stepped if s.priority is Priority.BATCH}
+    if not moved:
+        return sessions
+    return [s for s in sessions if id(s) not in moved] + [s for s in sessions if id(s) in moved]
+
+
 class Lane:
     def __init__(self, index: int):
         self.index = index
@@ -104,6 +144,8 @@ class Scheduler:
         self.lanes = [Lane(i) for i in range(MAX_LANES)]
         self.reserved_tokens = 0
         self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
+        self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
+        self.interactive = 0  # interactive sessions admitted and not yet finished
         self.tokens_generated = 0
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
@@ -121,7 +163,9 @@ class Scheduler:
                 lane.wake.clear()
                 await lane.wake.wait()
                 continue
-            batch = lane.sessions[:MAX_BATCH]
+            batch = pick_step(lane.sessions, self.interactive > 0)
+            if len(batch) < len(lane.sessions):
+                lane.sessions = rotate_batch(lane.sessions, batch)
             for s in batch:
                 s.in_step = True
             try:
@@ -179,8 +223,17 @@ class Scheduler:
                 f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
                 f"while others may need them), this request needs {need}; retry once one of its requests ends"
             )
+        batch = session.priority is Priority.BATCH
+        if (batch and budget is not None and self.batch_reserved
+                and self.batch_reserved + need > budget * BATCH_KV_SHARE):
+            raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
+                             f"{budget} positions); retry shortly")
         session.reserved = need
         self.reserved_tokens += need
+        if batch:
+            self.batch_reserved += need
+        else:
+            self.interactive += 1
         if session.client is not None:
             for key in (session.client, ("request", session.request)):
                 self.reserved_by[key] = self.reserved_by.get(key, 0) + need
@@ -212,6 +265,7 @@ class Scheduler:
         params: SamplingParams,
         usage: Usage | None = None,
         history: list[int] | None = None,
+        priority: Priority = Priority.INTERACTIVE,
         client: str | None = None,
         request: object = None,
     ) -> AsyncIterator[Chunk]:
@@ -219,7 +273,9 @@ class Scheduler:
         first tokens were already produced (a resubmission after a supernode loss)."""
         assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
         session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
-                          self.tokenizer.eos_ids, sampler=Sampler(params), client=client,
+                          self.tokenizer.eos_ids, sampler=Sampler(params), priority=priority,
+                          # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
+                          client=client if priority is Priority.INTERACTIVE else None,
                           request=request if request is not None else object())
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
@@ -227,7 +283,7 @@ class Scheduler:
         structlog.contextvars.bind_contextvars(session=session.id)
         self._admit(session)
         log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
-                 resumed=len(session.generated))
+                 resumed=len(session.generated), priority=priority.name.lower())
         t0 = time.monotonic()
         pending, pending_ids, finish = "", [], "length"
         delivered = len(session.generated)
@@ -259,7 +315,11 @@ class Scheduler:
             yield Chunk(pending, tuple(pending_ids), finish)
         finally:
             self._finish(session, None)
-            self.active.pop(session.id, None)
+            if self.active.pop(session.id, None) is not None:
+                if session.priority is Priority.BATCH:
+                    self.batch_reserved -= session.reserved
+                else:
+                    self.interactive -= 1
             self.reserved_tokens -= session.reserved
             if session.client is not None and session.reserved:
                 for key in (session.client, ("request", session.request)):

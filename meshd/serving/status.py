@@ -36,6 +36,7 @@ def build_status(node: Daemon) -> dict:
             "tokens_generated": scheduler.tokens_generated,
             "kv_reserved": scheduler.reserved_tokens,
             "kv_budget": scheduler.kv_budget_tokens,
+            "batch_sessions": len(scheduler.active) - scheduler.interactive,
             "replays": node.pipeline.replays,
         },
         **node.metrics.status_fields(),  # memory in use, tokens/s
@@ -70,4 +71,5 @@ def build_status(node: Daemon) -> dict:
         "plan": plan_json(view.plan.assignments) if view.plan is not None else [],
         "peers": peers,
         "terms": [t.to_json() for t in view.history[-10:]],
+        "batches": node.batches.status(),  # batch jobs running on this peer
     }

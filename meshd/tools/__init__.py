@@ -1,1 +1,2 @@
-"""Commands: the ``meshd`` and ``meshctl`` CLIs, the local demo, the systemd unit and notify."""
+"""Commands: the ``meshd`` and ``meshctl`` CLIs (``meshctl batch`` in batchctl), the local
+demo, the systemd unit and notify."""

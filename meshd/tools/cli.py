@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
+    run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")
+    run.add_argument("--batch-max-bytes", type=int, metavar="BYTES",
+                     help="size bound of the batch store in the state dir (default 1 GiB)")
     run.add_argument("--log-level")
     run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
     run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
@@ -71,7 +74,9 @@ def parser() -> argparse.ArgumentParser:
     convert = msub.add_parser("convert", help="convert a GGUF file or a Hugging Face directory into shards")
     convert.add_argument("src", type=Path)
     convert.add_argument("--out", type=Path, required=True)
-    convert.add_argument("--dtype", default="float32", choices=[d for d in DTYPES if d != "auto"])
+    convert.add_argument("--dtype", default=None, choices=[d for d in DTYPES if d != "auto"],
+                         help="expand to this float type (default: a GGUF keeps its own quantization, "
+                              "a Hugging Face directory is float32)")
     convert.add_argument("--name", help="model name (default: from the source)")
     convert.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantized layers")
     convert.add_argument("--quantize-head", nargs="?", const=True, default=False, choices=["int8", "int4"],

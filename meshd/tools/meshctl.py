@@ -3,7 +3,8 @@
 Exit codes, the same for every command, so a script can branch on them:
 
 - 0: done (``status``: the mesh serves; ``plan``: a plan is active)
-- 1: the peer answered but said no (not serving, no plan, drain refused, generation failed)
+- 1: the peer answered but said no (not serving, no plan, drain refused, generation failed,
+  a batch failed or has failed lines)
 - 2: no answer from the peer
 - 64: bad usage (unknown command or option)
 """
@@ -19,14 +20,13 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from meshd.tools import batchctl
+from meshd.tools.client import Unreachable, auth_headers, base_url, render_table
+
 DEFAULT_URL = "http://127.0.0.1:8470"
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
 EXIT_OK, EXIT_REFUSED = EXIT_SERVING, EXIT_NOT_SERVING
 PEER_STATUS_TIMEOUT_S = 2.0
-
-
-class Unreachable(Exception):
-    """No HTTP answer at all (refused, timed out, not HTTP)."""
 
 
 def get_json(url: str, timeout: float = 5.0) -> dict:
@@ -36,10 +36,6 @@ def get_json(url: str, timeout: float = 5.0) -> dict:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:  # a 503 still carries the JSON body
         return json.loads(exc.read())
-
-
-def auth_headers(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def post_json(url: str, body: dict, timeout: float, key: str | None = None) -> tuple[int, dict]:
@@ -79,11 +75,6 @@ def used_of(used: int | None, total: int | None) -> str:
     if not total:
         return "-"
     return f"{human_bytes(used)}/{human_bytes(total)}" if used else human_bytes(total)
-
-
-def render_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _rate(node: dict | None, role: str) -> str:
@@ -141,13 +132,8 @@ def peer_details(status: dict) -> dict[str, dict]:
 # -- commands ---------------------------------------------------------------------------
 
 
-def _base(args: argparse.Namespace) -> str:
-    url = args.url.rstrip("/")
-    return url if "://" in url else "http://" + url
-
-
 def _status_once(args: argparse.Namespace) -> int:
-    status = fetch_status(_base(args))
+    status = fetch_status(base_url(args))
     if args.json:
         print(json.dumps(status, indent=2))
     else:
@@ -181,7 +167,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    status = fetch_status(_base(args))
+    status = fetch_status(base_url(args))
     shown = {k: status.get(k) for k in ("term", "supernode", "model", "serving", "plan", "terms")}
     if args.json:
         print(json.dumps(shown, indent=2))
@@ -205,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    status = fetch_status(_base(args))
+    status = fetch_status(base_url(args))
     peers = status.get("peers", [])
     if args.json:
         print(json.dumps(peers, indent=2))
@@ -234,7 +220,7 @@ def resolve_peer(status: dict, name: str) -> str:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    base = _base(args)
+    base = base_url(args)
     try:
         node = resolve_peer(fetch_status(base), args.node)
     except ValueError as exc:
@@ -258,7 +244,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream a completion to the terminal as its tokens arrive."""
-    base = _base(args)
+    base = base_url(args)
     body: dict = {"max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}
     if args.seed is not None:
         body["seed"] = args.seed
@@ -350,13 +336,14 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--chat", action="store_true", help="as a chat message (the model's chat template)")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each token")
+    batchctl.add_parser(sub, _Parser)
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"status": cmd_status, "plan": cmd_plan, "peers": cmd_peers, "drain": cmd_drain,
-                "generate": cmd_generate}
+                "generate": cmd_generate, "batch": batchctl.run}
     try:
         return commands[args.command](args)
     except Unreachable as exc:

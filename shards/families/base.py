@@ -326,6 +326,11 @@ class Family:
         names = {_name(spec) for ours, spec in embed.items() if not (c.tie_embeddings and ours == "output.weight")}
         return names | {_name(spec).format(i=i) for i in range(c.n_layers) for spec in layer.values()}
 
+    def source_name(self, fmt: str, ours: str, layer: int | None) -> str:
+        """The source tensor ``ours`` is read from (a fused tensor's, for a Rows entry)."""
+        embed, table = self.tables(fmt)
+        return _name((embed if layer is None else table)[ours]).format(i=layer)
+
     def read(self, fmt: str, get: Getter, c: ModelConfig, layer: int | None) -> dict[str, Weight]:
         """Our tensors of the embed file (``layer`` None) or of one layer, read with ``get``."""
         embed, table = self.tables(fmt)

@@ -1,0 +1,187 @@
+"""GGUF files kept as shipped against llama.cpp on the same files, side by side in one run.
+
+For each GGUF file: its tensor bytes; converted with its quantization kept (`meshd model
+convert`, the default); one whole-model stage loaded in a child process of its own, as a
+node loads it (the engine, its device layouts built): the bytes its weights hold resident
+(every tensor the stage references once, packed layouts included), its peak RSS (VmHWM) and
+its batch-1 decode tok/s (a 16-token prompt, then single-token steps, best of --rounds);
+and llama.cpp's `llama-bench` decode (tg) on the same file with the same thread count.
+The two engines run in alternating rounds so that other work on the machine weighs on both.
+
+    .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [FILE.gguf ...]
+
+Default files: SmolLM2's Q4_1 (the default model's source in state/cache), a SmolLM2
+Q4_K_M that `llama-quantize` makes from it (once, into state/cache), Gemma 3 270M Q4_K_M
+(``--gemma``, default /work/cache/gemma/...; skipped with the reason when absent or
+when its family is not supported yet). llama.cpp's tools: ``--llama DIR`` or
+``../shared/tools/llama-cpp``'s folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE = Path(os.environ.get("MESHD_STATE_DIR") or ROOT / "state")
+PROMPT = [(i * 131) % 40000 + 100 for i in range(16)]
+
+
+def _status_mb(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from shards.engine import StageEngine
+    from shards.manifest import Manifest
+    from shards.qlinear import held_bytes
+    from shards.span import Span
+
+    n = Manifest.load(Path(model_dir)).n_layers
+    t0 = time.perf_counter()
+    eng = StageEngine.load(Path(model_dir), Span(0, n), True, True, "cpu", "float32")
+    load_s = time.perf_counter() - t0
+    rss_loaded = _status_mb("VmRSS")
+    stage = eng.stage
+    out = {"load_s": round(load_s, 2), "resident_weight_bytes": held_bytes(stage),
+           "rss_after_load_mb": round(rss_loaded, 1)}
+    paths: dict[str, int] = {}
+    for m in stage.modules():
+        if hasattr(m, "path"):
+            paths[m.path] = paths.get(m.path, 0) + 1
+    out["paths"] = paths
+
+    def decode() -> float:
+        with torch.inference_mode():
+            caches = stage.new_caches()
+            x = stage(stage.embed(torch.tensor(PROMPT)), 0, caches)
+            tok = int(stage.head(x[-1:])[0].argmax())
+            pos = len(PROMPT)
+            t = time.perf_counter()
+            for _ in range(tokens):
+                x = stage(stage.embed(torch.tensor([tok])), pos, caches)
+                tok = int(stage.head(x)[0].argmax())
+                pos += 1
+            return tokens / (time.perf_counter() - t)
+
+    decode()  # warm-up
+    out["decode_tok_s"] = [round(eng.run_sync(decode), 2) for _ in range(rounds)]
+    out["peak_rss_mb"] = round(_status_mb("VmHWM"), 1)
+    eng.close()
+    return out
+
+
+def llama_bench(llama: Path, gguf: Path, threads: int, tokens: int) -> float:
+    cmd = [str(llama / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0",
+           "-n", str(tokens), "-r", "2", "-o", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(res.stdout)[0]["avg_ts"])
+
+
+def tensor_bytes(gguf: Path) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors)
+
+
+def default_files(llama: Path | None, gemma: Path) -> list[Path]:
+    q4_1 = next(iter(sorted((STATE / "cache").glob("SmolLM2-*.Q4_1.gguf"))), None)
+    files = [q4_1] if q4_1 else []
+    k_m = STATE / "cache" / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    if q4_1 and llama and not k_m.exists():
+        tmp = k_m.with_suffix(".f16.tmp")
+        q = str(llama / "bin" / "llama-quantize")
+        subprocess.run([q, "--allow-requantize", str(q4_1), str(tmp), "F16"], check=True, capture_output=True)
+        subprocess.run([q, str(tmp), str(k_m), "Q4_K_M"], check=True, capture_output=True)
+        tmp.unlink()
+    if k_m.exists():
+        files.append(k_m)
+    return files + [gemma]
+
+
+def find_llama(given: str | None) -> Path | None:
+    if given:
+        return Path(given)
+    tool = ROOT.parent / "shared" / "tools" / "llama-cpp"
+    for cand in (tool, Path("/work/shared/tools/llama-cpp")):
+        if cand.exists():
+            home = Path(os.environ.get("LLAMA_CPP_HOME", Path.home() / ".cache/meshd-tools/llama.cpp-11434.0.0"))
+            if (home / "bin" / "llama-bench").exists():  # built: never start a build from a bench
+                return home
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama", default=None)
+    ap.add_argument("--gemma", default="/work/cache/gemma/gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--child", nargs=1)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], a.threads, a.tokens, a.rounds)))
+        return
+    llama = find_llama(a.llama)
+    files = [Path(f) for f in a.files] or default_files(llama, Path(a.gemma))
+    from shards.convert import convert
+
+    rows = []
+    for f in files:
+        row = {"file": f.name}
+        rows.append(row)
+        if not f.exists():
+            row["skipped"] = "file absent"
+            continue
+        row["tensor_mb"] = tensor_bytes(f) / 1e6
+        row["file_mb"] = f.stat().st_size / 1e6
+        try:
+            out = convert(f, STATE / "models" / f"bench-{f.stem.lower()}", name=f"bench-{f.stem.lower()}",
+                          progress=False)
+        except Exception as e:  # noqa: BLE001 - a family not supported yet is a result here
+            row["skipped"] = f"convert: {e}"[:160]
+            continue
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        ours, theirs = [], []
+        for _ in range(a.rounds):  # alternate the engines so that other load weighs on both
+            res = subprocess.run([sys.executable, __file__, "--child", str(out), "--threads", str(a.threads),
+                                  "--tokens", str(a.tokens), "--rounds", "1"],
+                                 capture_output=True, text=True, env=env, check=True)
+            r = json.loads(res.stdout.strip().splitlines()[-1])
+            ours.append(r["decode_tok_s"][0])
+            row |= {k: v for k, v in r.items() if k != "decode_tok_s"}
+            if llama:
+                theirs.append(llama_bench(llama, f, a.threads, a.tokens))
+        row["decode_tok_s"] = max(ours)
+        row["llama_tok_s"] = max(theirs) if theirs else None
+    print(f"\nthreads {a.threads}, {a.tokens} decode tokens, best of {a.rounds} alternating rounds\n")
+    print("| file | tensor MB | resident weights MB (x tensor) | peak RSS MB | meshd decode tok/s | "
+          "llama.cpp tok/s | x llama.cpp | kernel paths |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "skipped" in r:
+            print(f"| {r['file']} | {r.get('tensor_mb', float('nan')):.1f} | skipped: {r['skipped']} | | | | | |")
+            continue
+        w = r["resident_weight_bytes"] / 1e6
+        lt, ours = r["llama_tok_s"], r["decode_tok_s"]
+        vs = f"x{ours / lt:.2f}" if lt else "n/a"
+        print(f"| {r['file']} | {r['tensor_mb']:.1f} | {w:.1f} (x{w / r['tensor_mb']:.2f}) | {r['peak_rss_mb']:.0f} | "
+              f"{ours:.1f} | {'n/a' if lt is None else f'{lt:.1f}'} | {vs} | {r['paths']} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
