@@ -72,6 +72,10 @@ class Config:
     max_frame_bytes: int = 64 * 1024 * 1024
     max_body_bytes: int = 1024 * 1024
     max_tokens_limit: int = 4096
+    # HTTP connections held at once (past it, the oldest idle one is closed for a new
+    # one), and how long one may sit idle or take to send its headers (or body).
+    max_connections: int = 1024
+    http_idle_s: float = 30.0
     # KV cache positions (summed over sessions, prompt + max_tokens each) the
     # supernode admits before answering 503; None: a quarter of the memory budget.
     kv_budget_tokens: int | None = None
@@ -115,6 +119,10 @@ class Config:
             raise ConfigError("mesh: must be 1-63 characters")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads: must be at least 1")
+        if self.max_connections < 8:
+            raise ConfigError("max_connections: must be at least 8")
+        if self.http_idle_s <= 0:
+            raise ConfigError("http_idle_s: must be > 0")
         if not 1 <= self.batch_concurrency <= 1024:
             raise ConfigError("batch_concurrency: must be from 1 to 1024")
         if self.batch_max_bytes < 1 << 20:

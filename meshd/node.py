@@ -37,11 +37,11 @@ from meshd.control.leader import Leader
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
 from meshd.control import tunnel
-from meshd.control.peers import Link, url_host
+from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
 from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
-from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, ProtocolError
+from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost, ProtocolError
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
@@ -49,6 +49,7 @@ from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
+from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -131,7 +132,8 @@ class Node:
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active))
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
-        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn)
+        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn,
+                                          self.local_token)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
         self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
@@ -181,12 +183,16 @@ class Node:
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5),
                                           connector=aiohttp.TCPConnector(ssl=client_tls))
         # A client that hangs up cancels its handler, so its sessions are freed at once.
+        # keepalive_timeout: aiohttp's timer runs from accept until a request is whole, so
+        # it closes idle connections and ones that dribble their headers alike.
         runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s,
-                               handler_cancellation=True)
+                               handler_cancellation=True, keepalive_timeout=self.config.http_idle_s)
         discovery = None
         try:
+            nofile = raise_nofile_limit()
             await runner.setup()
-            site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
+            site = GuardedSite(runner, self.config.host, self.config.port, ssl_context=server_tls,
+                               max_connections=min(self.config.max_connections, max(8, nofile - 64)))
             await site.start()
             log.info("node_started", node=self.node_id, name=self.config.name, mesh=self.config.mesh,
                      port=self.config.port, device=self.device, vram=self.view.caps.vram, model=self.model_name,
@@ -242,10 +248,14 @@ class Node:
         await self.view.changes.wait_for(self.serves, None)
         on_ready()
 
-    def spawn(self, coro) -> asyncio.Task:
-        """A task owned by the node's group (per-message work of the read loops)."""
+    def spawn(self, coro, link: Link | None = None) -> asyncio.Task:
+        """A task owned by the node's group (per-message work of the read loops).
+
+        The task is guarded: an error it does not handle itself is logged and ends only
+        what it belongs to (the ``link`` whose message it serves, closed with the reason),
+        never the group, which would stop the daemon."""
         assert self._tg is not None
-        return self._tg.create_task(coro)
+        return self._tg.create_task(_guarded(coro, link))
 
     # -- messages ------------------------------------------------------------------
 
@@ -255,11 +265,27 @@ class Node:
         waits goes to a task."""
         match msg:
             case Plan():
-                self.spawn(self.follower.on_plan(link, msg))
+                self.spawn(self.follower.on_plan(link, msg), link)
+            case ForwardBatch():
+                self.spawn(self.follower.serve_forward(link, msg), link)
+            case Hello():
+                raise ProtocolError(f"{type(msg).__name__} after the handshake")
+            case Commit() | Drop() | Accept() | Reject() | ApiRequest() | ApiCancel():
+                try:
+                    self._settle(link, msg)
+                except (ProtocolError, PeerLost):
+                    raise
+                except Exception as exc:  # a message our code did not foresee closes its link, not the node
+                    log.exception("message_failed", peer=link.peer_id, message=type(msg).__name__)
+                    raise ProtocolError(f"{type(msg).__name__} could not be handled: {exc!r}") from exc
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__}")
+
+    def _settle(self, link: Link, msg: Commit | Drop | Accept | Reject | ApiRequest | ApiCancel) -> None:
+        """The messages handled at once, inside the read loop."""
+        match msg:
             case Commit():
                 self.follower.on_commit(link, msg)
-            case ForwardBatch():
-                self.spawn(self.follower.serve_forward(link, msg))
             case Drop(session=session):
                 self.follower.drop(session)
             case Accept() | Reject():
@@ -268,10 +294,6 @@ class Node:
                 self.tunnel.on_request(link, msg)
             case ApiCancel():
                 self.tunnel.on_cancel(link, msg)
-            case Hello():
-                raise ProtocolError(f"{type(msg).__name__} after the handshake")
-            case _:
-                raise ProtocolError(f"unexpected {type(msg).__name__}")
 
     # -- the supernode's serving parts --------------------------------------------------
 
@@ -334,7 +356,7 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def supernode_post(self, path: str, body: object, authorization: str = "",
-                             timeout: aiohttp.ClientTimeout | None = None):
+                             timeout: aiohttp.ClientTimeout | None = None, client: str = ""):
         """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
         tunnel), or on loopback when this peer is the supernode. Yields a response
         with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
@@ -344,13 +366,15 @@ class Node:
         data = json.dumps(body).encode()
         if self.view.is_supernode:
             headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
+            if client:
+                headers |= {tunnel.TUNNEL_HEADER: self.local_token, tunnel.CLIENT_HEADER: client}
             async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
                                       timeout=timeout) as up:
                 yield up
             return
         link = self.view.links[self.view.supernode]
         async with tunnel.call(link, "POST", path, data, authorization,
-                               sock_read=timeout.sock_read if timeout is not None else None) as up:
+                               sock_read=timeout.sock_read if timeout is not None else None, client=client) as up:
             yield up
 
     async def _tunneled_drain(self, body: bytes) -> tuple[int, bytes]:
@@ -388,6 +412,19 @@ class Node:
         """After losing the supernode mid-request: wait for the plan of the next one."""
         await self._wait_for(lambda: self.serves() and self.current_term() > term, self.config.failover_wait_s,
                              "no new supernode took over")
+
+
+async def _guarded(coro, link: Link | None) -> None:
+    """Run one spawned task; what escapes it closes its link (if any) and is logged."""
+    try:
+        await coro
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the one catch-all: no task may end the node's TaskGroup
+        peer = link.peer_id if link is not None else None
+        log.exception("task_failed", task=getattr(coro, "__qualname__", repr(coro)), peer=peer, error=repr(exc))
+        if link is not None:
+            await link.close(f"internal error on its message: {exc!r}"[:200], CLOSE_PROTOCOL)
 
 
 class _Stopped(Exception):

@@ -7,7 +7,10 @@ oversize) is a ``ProtocolError`` naming what and where, and closes that one link
 Both directions are derived from the message classes (their fields' names, types
 and defaults), so a field is listed once, in ``protocol.messages``; the few checks
 a type cannot say (a segment has rows, a batch's rows are its hidden's) are in
-``_CHECKS`` here. Spans travel as ``[start, stop]``, enums as ints, tensors as
+``_CHECKS`` here. Every value is bounded here, once, before any part of meshd uses
+it: integers by their field's ``max`` (terms by ``MAX_TERM``), ids and model names as
+plain names (a model name becomes a directory: ``../x`` is refused), digests as
+sha256 hex, spans within ``MAX_LAYERS``, floats finite. Spans travel as ``[start, stop]``, enums as ints, tensors as
 ``{dtype, shape, data}`` through ``pack_tensor`` / ``unpack_tensor``. The codec checks shape, not meaning: whether
 a plan covers the model is ``meshd.control.placement.validate``'s job, and whether a
 Hello's version is ours is the handshake's.
@@ -25,9 +28,20 @@ import msgpack
 import torch
 
 from meshd.errors import ProtocolError
+from shards.manifest import is_plain_name
 from shards.span import Span
 
-from .messages import MESSAGE_TYPES, ForwardBatch, Message, NodeId, Segment, SessionId
+from .messages import (
+    MESSAGE_TYPES,
+    Capabilities,
+    Digest,
+    ForwardBatch,
+    Message,
+    ModelName,
+    NodeId,
+    Segment,
+    SessionId,
+)
 
 DEFAULT_MAX_FRAME = 64 * 2**20  # a 2048x4096 fp16 prefill chunk is 16 MiB
 MAX_NDIM = 8
@@ -36,6 +50,10 @@ MAX_NDIM = 8
 MAX_STR = 64 * 1024  # names, reasons, digests
 MAX_ARRAY = 4096  # plan assignments, model lists, shapes
 MAX_MAP = 64  # fields of one message
+MAX_ID = 128  # node and session ids
+MAX_LAYERS = 1 << 16  # span ends
+MAX_LAYER_MS = 1e6
+_HEX = frozenset("0123456789abcdef")
 
 # Allowed tensor dtypes by wire name. bfloat16 has no numpy type; it travels
 # as raw 2-byte words, which torch.frombuffer reads back bit for bit. Byte
@@ -196,7 +214,7 @@ def _plain(hint: Any, meta: Any) -> Callable[[object], bool] | None:
     if hint is str:
         return lambda v: type(v) is str
     if hint in (NodeId, SessionId):
-        return lambda v: type(v) is str and v != ""
+        return lambda v: type(v) is str and len(v) <= MAX_ID and is_plain_name(v)
     return None
 
 
@@ -218,6 +236,10 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
         return _Fields.as_node
     if hint is SessionId:
         return lambda v: SessionId(v.as_node())
+    if hint is ModelName:
+        return _Fields.as_name
+    if hint is Digest:
+        return _Fields.as_digest
     simple = {float: _Fields.as_float, str: _Fields.as_str, bytes: _Fields.as_bytes, Span: _Fields.as_span,
               torch.Tensor: _Fields.as_tensor}
     if hint in simple:
@@ -246,7 +268,13 @@ def _check_batch(batch: ForwardBatch, f: _Fields) -> None:
                             "its segments name")
 
 
-_CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch}
+def _check_caps(c: Capabilities, f: _Fields) -> None:
+    if not 0.0 <= c.layer_ms <= MAX_LAYER_MS:
+        raise ProtocolError(f"{f.where}: layer_ms {c.layer_ms} is outside 0..{MAX_LAYER_MS:g}")
+
+
+_CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch,
+                                                       Capabilities: _check_caps}
 
 
 def _unpack(data: bytes, max_size: int) -> dict:
@@ -331,9 +359,23 @@ class _Fields:
         return self.frame
 
     def as_node(self) -> NodeId:
-        if not self.as_str():
-            raise ProtocolError(f"{self.where}: empty id")
-        return NodeId(self.frame)
+        v = self.as_str()
+        if len(v) > MAX_ID or not is_plain_name(v):
+            raise ProtocolError(f"{self.where}: empty id" if not v else
+                                f"{self.where}: an id is a plain name of 1..{MAX_ID} characters, got {v[:40]!r}")
+        return NodeId(v)
+
+    def as_name(self) -> ModelName:
+        v = self.as_str()
+        if not is_plain_name(v):
+            raise ProtocolError(f"{self.where}: {v[:80]!r} is not a plain model name")
+        return ModelName(v)
+
+    def as_digest(self) -> Digest:
+        v = self.as_str()
+        if len(v) != 64 or not _HEX.issuperset(v):
+            raise ProtocolError(f"{self.where}: a digest is 64 lowercase hex digits, got {v[:80]!r}")
+        return Digest(v)
 
     def as_bytes(self) -> bytes:
         if not isinstance(self.frame, bytes):
@@ -350,9 +392,12 @@ class _Fields:
         if not (isinstance(v, list) and len(v) == 2 and all(_is_int(n) for n in v)):
             raise ProtocolError(f"{self.where}: span must be [start, stop] ints, got {v!r:.60}")
         try:
-            return Span(v[0], v[1])
+            span = Span(v[0], v[1])
         except ValueError as e:
             raise ProtocolError(f"{self.where}: {e}") from e
+        if span.stop > MAX_LAYERS:
+            raise ProtocolError(f"{self.where}: span {span} ends past {MAX_LAYERS} layers")
+        return span
 
     def as_tensor(self) -> torch.Tensor:
         try:

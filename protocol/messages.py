@@ -20,9 +20,19 @@ from shards.span import Span
 
 NodeId = NewType("NodeId", str)
 SessionId = NewType("SessionId", str)
+# A model's name: a plain name (it becomes a directory under the state dir), never a
+# path; the codec refuses ``../x``, ``a/b``, ``.hidden`` and control characters.
+ModelName = NewType("ModelName", str)
+Digest = NewType("Digest", str)  # a sha256, 64 lowercase hex digits
 
 # 2: the Noise handshake (Hello inside it, no Auth), frames sealed, the API tunnel.
 PROTOCOL_VERSION = 2
+
+# Terms grow by one per re-plan, so no honest term comes near this; the bound keeps
+# ``term + 1`` (and a term a Reject names) encodable as msgpack's uint64 everywhere.
+MAX_TERM = 2**62
+TERM = {"max": MAX_TERM}
+MAX_POSITION = 2**31  # a session position (a segment's start)
 
 
 # -- nested structures (not frames of their own) ---------------------------------
@@ -38,7 +48,7 @@ class Capabilities:
     api_port: int = field(metadata={"max": 65535})  # its HTTP API (also serves shard files to peers)
     mem_budget: int  # bytes it will spend on layers
     layer_ms: float  # measured decode time of one layer, ms
-    models: tuple[str, ...] = ()  # models it has complete locally
+    models: tuple[ModelName, ...] = ()  # models it has complete locally
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +101,10 @@ class Bye:
 @dataclass(frozen=True, slots=True)
 class Plan:
     tag: ClassVar[str] = "plan"
-    term: int
+    term: int = field(metadata=TERM)
     supernode: NodeId
-    model: str
-    manifest_digest: str  # sha256 of manifest.json, so every peer loads the same model
+    model: ModelName
+    manifest_digest: Digest  # sha256 of manifest.json, so every peer loads the same model
     assignments: tuple[Assignment, ...]  # in layer order
     sources: tuple[NodeId, ...] = ()  # peers that hold the full model, to fetch from
 
@@ -102,7 +112,7 @@ class Plan:
 @dataclass(frozen=True, slots=True)
 class Accept:
     tag: ClassVar[str] = "accept"
-    term: int
+    term: int = field(metadata=TERM)
     span: Span
 
 
@@ -122,17 +132,17 @@ class RejectCode(IntEnum):
 @dataclass(frozen=True, slots=True)
 class Reject:
     tag: ClassVar[str] = "reject"
-    term: int
+    term: int = field(metadata=TERM)
     reason: str
     capacity: int = 0  # bytes it could hold instead, 0 if unknown
     code: RejectCode = RejectCode.OTHER
-    held_term: int = 0  # with STALE_TERM: the term this peer holds
+    held_term: int = field(default=0, metadata=TERM)  # with STALE_TERM: the term this peer holds
 
 
 @dataclass(frozen=True, slots=True)
 class Commit:
     tag: ClassVar[str] = "commit"
-    term: int
+    term: int = field(metadata=TERM)
 
 
 # -- forwarding ------------------------------------------------------------------
@@ -146,7 +156,7 @@ class Segment:
     """One session's rows inside a batched frame (nested)."""
 
     session: SessionId
-    start: int  # position of the segment's first row
+    start: int = field(metadata={"max": MAX_POSITION})  # position of the segment's first row
     rows: int
 
 
@@ -156,7 +166,7 @@ class ForwardBatch:
     in ``segments`` order (a decode row per running session, prefill chunks)."""
 
     tag: ClassVar[str] = "fwdb"
-    term: int
+    term: int = field(metadata=TERM)
     req: int  # request number, echoed in ResultBatch / Fail
     segments: tuple[Segment, ...]
     hidden: torch.Tensor  # [sum(rows), H]
@@ -165,7 +175,7 @@ class ForwardBatch:
 @dataclass(frozen=True, slots=True, eq=False)
 class ResultBatch:
     tag: ClassVar[str] = "resb"
-    term: int
+    term: int = field(metadata=TERM)
     req: int
     hidden: torch.Tensor  # [sum(rows), H], same row order
 
@@ -173,7 +183,7 @@ class ResultBatch:
 @dataclass(frozen=True, slots=True)
 class Fail:
     tag: ClassVar[str] = "fail"
-    term: int
+    term: int = field(metadata=TERM)
     req: int
     reason: str
 
@@ -183,7 +193,7 @@ class Drop:
     """Free a session's KV caches on a stage."""
 
     tag: ClassVar[str] = "drop"
-    term: int
+    term: int = field(metadata=TERM)
     session: SessionId
 
 
@@ -200,6 +210,7 @@ class ApiRequest:
     path: str
     body: bytes
     authorization: str = ""  # the client's Authorization header: the supernode checks its own keys
+    client: str = ""  # who the entry peer serves this for (KV fairness counts per client)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,10 @@ from dataclasses import dataclass, fields
 from shards.errors import ModelError
 
 LAYER_KINDS = ("full", "sliding")
+# Bounds on a config's sizes: a manifest may come from a peer, and every one of these
+# sizes a tensor or divides another (n_kv_heads 0 was a ZeroDivisionError in a stage).
+_SIZE_BOUNDS = {"n_layers": 1 << 16, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "n_heads": 1 << 12,
+                "n_kv_heads": 1 << 12, "head_dim": 1 << 14, "vocab_size": 1 << 24, "max_position": 1 << 28}
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_KINDS = ("linear", "dynamic", "llama3", "factors")
 
@@ -88,6 +92,14 @@ class ModelConfig:
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
+        for name, hi in _SIZE_BOUNDS.items():
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= hi:
+                raise ModelError(f"model config {name}={value!r} must be an integer in 1..{hi}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ModelError(f"model config {name}={value!r} must be a finite non-negative number")
         if self.n_heads % self.n_kv_heads:
             raise ModelError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         for name in ("n_layers", "hidden_size", "intermediate_size", "n_heads", "head_dim", "vocab_size"):

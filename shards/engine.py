@@ -113,6 +113,8 @@ class StageEngine:
         in the row order of ``hidden`` [N, H]."""
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
             raise ModelError(f"hidden has shape {tuple(hidden.shape)}, want [T, {self.config.hidden_size}]")
+        if not hidden.is_floating_point():
+            raise ModelError(f"hidden has dtype {hidden.dtype}, want a floating-point one")
         if sum(rows for _, _, rows in segments) != hidden.shape[0]:
             raise ModelError(f"segments name {sum(r for _, _, r in segments)} rows, hidden has {hidden.shape[0]}")
         if len({session for session, _, _ in segments}) != len(segments):

@@ -49,6 +49,23 @@ def check_file_name(name: str) -> str:
     return name
 
 
+MAX_NAME = 128
+
+
+def is_plain_name(name: object) -> bool:
+    """A model's name as it may come from a peer or a client: one path component that
+    names something inside its parent (no separators, no ``.``/``..``, no hidden
+    names, no control characters), so ``models/<name>`` stays inside ``models/``."""
+    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and not name.startswith(".")
+            and not any(c in name for c in "/\\") and name.isprintable())
+
+
+def check_model_name(name: object) -> str:
+    if not is_plain_name(name):
+        raise ModelError(f"model name {str(name)[:80]!r} is not a plain name (it would be used as a directory)")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     sha256: str
@@ -112,14 +129,12 @@ class Manifest:
             config = ModelConfig.from_dict(data["config"])
             if data.get("n_layers", config.n_layers) != config.n_layers:
                 raise ModelError(f"manifest n_layers={data['n_layers']} disagrees with config ({config.n_layers})")
-            files = {str(n): FileEntry(str(e["sha256"]), int(e["size"]),
-                                       None if e.get("resident") is None else int(e["resident"]))
-                     for n, e in data["files"].items()}
+            files = {str(n): _file_entry(e) for n, e in data["files"].items()}
             return cls(name=str(data["name"]), architecture=str(data["architecture"]), config=config,
                        dtype=str(data["dtype"]), files=files, chat_template=data.get("chat_template"),
                        quant=data.get("quant"), special_tokens=_special_tokens(data.get("special_tokens")),
                        format=int(data.get("format", 1)), _raw=raw)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError) as e:
             raise ModelError(f"malformed manifest: {e!r}") from e
 
     @classmethod
@@ -201,6 +216,21 @@ class Manifest:
                 checked.record(name, st, digest)
         finally:
             checked.save()
+
+
+MAX_FILE_SIZE = 1 << 44
+
+
+def _file_entry(e: dict) -> FileEntry:
+    sha, size = e["sha256"], e["size"]
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise ModelError(f"manifest sha256 {str(sha)[:80]!r} is not 64 lowercase hex digits")
+    if type(size) is not int or not 0 <= size <= MAX_FILE_SIZE:
+        raise ModelError(f"manifest file size {size!r} is outside 0..{MAX_FILE_SIZE}")
+    resident = e.get("resident")
+    if resident is not None and (type(resident) is not int or not 0 <= resident <= MAX_FILE_SIZE):
+        raise ModelError(f"manifest resident size {resident!r} is outside 0..{MAX_FILE_SIZE}")
+    return FileEntry(sha, size, resident)
 
 
 def _special_tokens(data) -> dict[str, str] | None:

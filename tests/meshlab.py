@@ -66,6 +66,31 @@ def http_json(url: str, body: dict | None = None, timeout: float = HTTP_TIMEOUT_
             return exc.code, {"raw": raw.decode(errors="replace")}
 
 
+_POST_IN_NS = """
+import json, sys, urllib.request, urllib.error
+url, body, timeout = sys.argv[1], sys.argv[2].encode(), float(sys.argv[3])
+req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        print(resp.status); print(resp.read().decode())
+except urllib.error.HTTPError as exc:
+    print(exc.code); print(exc.read().decode())
+"""
+
+
+def http_json_from(host, url: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, dict]:
+    """POST ``body`` from inside ``host``'s namespace: a caller on that box (control
+    endpoints answer only those, peers and key holders)."""
+    out = host.run([sys.executable, "-c", _POST_IN_NS, url, json.dumps(body), str(timeout)],
+                   capture_output=True, text=True, timeout=timeout + 30)
+    assert out.returncode == 0, out.stderr
+    status, _, payload = out.stdout.partition("\n")
+    try:
+        return int(status), json.loads(payload)
+    except ValueError:
+        return int(status), {"raw": payload}
+
+
 def completion_body(prompt: str, max_tokens: int, **extra) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0} | extra
 

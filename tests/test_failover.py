@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultlab import Stream, peer_state, plan_nodes, restart, wait_status
-from tests.meshlab import Daemon, MeshLab, greedy_reference, http_json, plan_spans
+from tests.meshlab import Daemon, MeshLab, greedy_reference, http_json_from, plan_spans
 from tests.netlab import Host, Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(150)]
@@ -301,7 +301,8 @@ def test_drain_moves_the_span_away_mid_stream_then_sigterm_changes_nothing(fm):
     answers: list = []
 
     def drain() -> None:
-        answers.append(http_json(entry.url + "/v1/mesh/drain", {"node": victim.node_id}, timeout=30))
+        # From the entry's own box: with no control key, drain answers only local callers.
+        answers.append(http_json_from(entry.host, entry.url + "/v1/mesh/drain", {"node": victim.node_id}, timeout=30))
 
     s, _ = faulted_stream(fm, entry, drain)
     code, body = answers[0]

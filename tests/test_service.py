@@ -60,6 +60,9 @@ def test_unit_says_what_the_issue_asks():
     assert d["LoadCredential"] == ["secret:/etc/meshd/secret"]
     drain = build_config(environ={}).drain_timeout_s
     assert int(d["TimeoutStopSec"][0]) == stop_timeout_s(drain) > 3 * drain
+    # Room for the connection limit (issue 15: 1,100 idle connections took every descriptor).
+    assert int(d["LimitNOFILE"][0]) > build_config(environ={}).max_connections + 64
+    assert d["MemoryMax"] == ["90%"]
 
 
 @pytest.fixture

@@ -253,12 +253,12 @@ class Leader:
         return out
 
     def on_reply(self, sender: NodeId, msg: Accept | Reject) -> None:
-        if isinstance(msg, Reject) and msg.code is RejectCode.STALE_TERM:
-            self.view.hold_term(msg.held_term)  # the next plan goes above it
         future = self._replies.get(sender)
         if future is None or future.done() or msg.term != self._replies_term:
             log.debug("reply_ignored", peer=sender, term=msg.term)
-            return
+            return  # only a peer asked in this negotiation moves the term (the codec bounds it)
+        if isinstance(msg, Reject) and msg.code is RejectCode.STALE_TERM:
+            self.view.hold_term(msg.held_term)  # the next plan goes above it
         future.set_result(msg)
 
     # -- for a follower --------------------------------------------------------------------

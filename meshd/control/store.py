@@ -6,6 +6,7 @@ that any survivor can later lead or take a lost span."""
 from __future__ import annotations
 
 import asyncio
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,14 +19,15 @@ from meshd.config import Config
 from meshd.control.mesh import MeshView
 from meshd.control.peers import peer_url
 from meshd.control.transfer import fetch_files, fetch_manifest, missing_files, serve_file
-from meshd.errors import KNOWN_ERRORS, ShardMissing
+from meshd.errors import KNOWN_ERRORS, ModelError, ShardMissing
 from protocol.messages import NodeId
 from shards.engine import StageEngine
-from shards.manifest import MANIFEST_FILE, Manifest
+from shards.manifest import MANIFEST_FILE, Manifest, check_model_name
 from shards.span import Span
 
 log = structlog.get_logger()
 
+BY_DIGEST = ".by-digest"  # models/.by-digest/<sha256>: a model fetched under a name this peer holds another of
 EngineKey = tuple[str, Span | None, bool, bool]  # (manifest digest, span, embed, head)
 
 
@@ -66,32 +68,62 @@ class ModelStore:
     async def prepare(self, name: str, sources: Iterable[NodeId], digest: str | None = None) -> tuple[Manifest, Path]:
         """The manifest and directory of model ``name`` (with ``digest`` if given):
         this peer's own copy, else one fetched earlier, else the manifest fetched
-        from a source peer (the shard files follow per span in ``load``)."""
+        from a source peer (the shard files follow per span in ``load``, and the model
+        becomes this peer's once ``load`` succeeds).
+
+        ``name`` is a plain name (checked again here: it becomes a directory). Models
+        are kept by content: a manifest whose digest differs from the one already in
+        ``models/<name>`` goes to ``models/.by-digest/<digest>``, so a plan naming
+        another digest never overwrites this peer's own manifest or shards."""
+        check_model_name(name)
+
         def fits(m: Manifest | None) -> bool:
             return m is not None and m.name == name and (digest is None or m.digest == digest)
 
         if fits(self.manifest):
             return self.manifest, self.model_dir
-        store = self.config.state_dir / "models" / name
-        if (store / MANIFEST_FILE).is_file():
-            m = Manifest.load(store)
-            if fits(m):
-                self._adopt(store, m)
-                return m, store
+        for store in self._dirs(name, digest):
+            if (store / MANIFEST_FILE).is_file():
+                try:
+                    m = Manifest.load(store)
+                except ModelError as exc:
+                    log.warning("stored_manifest_unreadable", dir=str(store), error=str(exc))
+                    continue
+                if fits(m):
+                    return m, store
+        errors = []
         for pid, base in self._urls(sources):
             try:
                 m = await fetch_manifest(self._http(), base, self._secret, self.view.node_id, name)
             except (*KNOWN_ERRORS, OSError, aiohttp.ClientError) as exc:
                 log.warning("manifest_fetch_failed", source=pid, error=str(exc))
+                errors.append(f"{pid}: {exc}")
                 continue
             if not fits(m):
+                errors.append(f"{pid}: its manifest is {m.name} {m.digest[:12]}")
                 continue
+            store = self._new_dir(name, m.digest)
             store.mkdir(parents=True, exist_ok=True)
-            (store / MANIFEST_FILE).write_bytes(m.to_bytes())
-            self._adopt(store, m)
-            log.info("manifest_fetched", model=name, source=pid)
+            tmp = store / f".{MANIFEST_FILE}.part"
+            tmp.write_bytes(m.to_bytes())
+            os.replace(tmp, store / MANIFEST_FILE)
+            log.info("manifest_fetched", model=name, source=pid, dir=str(store))
             return m, store
-        raise ShardMissing(f"model {name!r} is not here and no peer offered it (run `meshd model fetch {name}`)")
+        raise ShardMissing(f"model {name!r} is not here and no peer offered it (run `meshd model fetch {name}`)"
+                           + (": " + "; ".join(errors) if errors else ""))
+
+    def _dirs(self, name: str, digest: str | None) -> list[Path]:
+        """Where model ``name`` (of ``digest``) may already be: its named directory, then its digest's."""
+        models = self.config.state_dir / "models"
+        return [models / name] + ([models / BY_DIGEST / digest] if digest else [])
+
+    def _new_dir(self, name: str, digest: str) -> Path:
+        """Where a fetched manifest goes: the named directory while nothing is there,
+        else its digest's own (the named one is kept as it is)."""
+        named = self.config.state_dir / "models" / name
+        if not (named / MANIFEST_FILE).exists():
+            return named
+        return self.config.state_dir / "models" / BY_DIGEST / digest
 
     async def load(self, manifest: Manifest, model_dir: Path, span: Span | None, *, embed: bool, head: bool,
                    sources: Iterable[NodeId] = ()) -> StageEngine:
@@ -107,6 +139,9 @@ class ModelStore:
             StageEngine.load, model_dir, span, embed, head, self.config.device, self.config.dtype
         )
         self._keys[engine] = key
+        # Only a model whose files checked out and loaded becomes this peer's model: one a
+        # plan named that does not load leaves the one this peer had in place.
+        self._adopt(model_dir, manifest)
         return engine
 
     def use(self, engine: StageEngine | None) -> None:

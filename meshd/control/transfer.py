@@ -38,6 +38,7 @@ MAX_AHEAD_S = 10  # clock skew between peers that is tolerated
 MAX_REMEMBERED = 65536  # nonces held at once (only valid tokens are remembered)
 _TOKEN = re.compile(r"([A-Za-z0-9_.-]{1,64}):([0-9]{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
 _CHUNK = 1 << 20
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists files; a real one is a few KiB
 
 
 def _mac(key: bytes, method: str, path: str, body: bytes, node_id: str, ts: str, nonce: str) -> str:
@@ -91,7 +92,10 @@ async def fetch_manifest(session: aiohttp.ClientSession, base: str, secret: byte
     async with session.get(base + path, headers={AUTH_HEADER: files_token(secret, me, path)}) as resp:
         if resp.status != 200:
             raise ShardMissing(f"{base} has no manifest for {model}: HTTP {resp.status}")
-        return Manifest.from_bytes(await resp.read())
+        raw = await resp.content.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ModelError(f"{base} sent a manifest over {MAX_MANIFEST_BYTES} bytes")
+        return Manifest.from_bytes(raw)
 
 
 async def fetch_files(
@@ -150,6 +154,10 @@ def serve_file(model_dir: Path | None, manifest: Manifest | None, model: str, na
     if name != MANIFEST_FILE and name not in manifest.files:
         raise web.HTTPNotFound(reason=f"{name} is not in the manifest")
     path = model_dir / name
+    # Only the regular files of the model directory go out: a symlink there (placed by
+    # a user or anything else) could point at any file this process may read.
+    if path.is_symlink():
+        raise web.HTTPForbidden(reason=f"{name} is a symlink; only regular files are served")
     if not path.is_file():
         raise web.HTTPNotFound(reason=f"{name} is not on this peer")
     return web.FileResponse(path)

@@ -31,6 +31,9 @@ from protocol.messages import ApiCancel, ApiReply, ApiRequest
 log = structlog.get_logger()
 
 # What a member may ask of the supernode's API through the tunnel.
+TUNNEL_HEADER = "X-Meshd-Tunnel"  # this process's local token: the request came over a sealed link
+CLIENT_HEADER = "X-Meshd-Client"  # the client a member forwards for (trusted only with TUNNEL_HEADER)
+MAX_CLIENT = 128
 TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain"})
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
 
@@ -89,14 +92,14 @@ class TunnelResponse:
 
 @contextlib.asynccontextmanager
 async def call(link: Link, method: str, path: str, body: bytes, authorization: str = "",
-               sock_read: float | None = None) -> AsyncIterator[TunnelResponse]:
+               sock_read: float | None = None, client: str = "") -> AsyncIterator[TunnelResponse]:
     req = link.next_req()
     queue: asyncio.Queue = asyncio.Queue()
     link.api_replies[req] = queue
     resp = TunnelResponse(link, req, queue, sock_read)
     try:
         try:
-            await link.send(ApiRequest(req, method, path, body, authorization))
+            await link.send(ApiRequest(req, method, path, body, authorization, client))
         except PeerLost as exc:
             raise aiohttp.ClientConnectionError(str(exc)) from None
         await resp.start()
@@ -112,8 +115,9 @@ class TunnelServer:
     """The supernode's side: runs tunneled requests against its own API on loopback."""
 
     def __init__(self, http: Callable[[], aiohttp.ClientSession], own_url: Callable[[], str],
-                 drain: Callable[[bytes], Awaitable[tuple[int, bytes]]], spawn: Callable):
+                 drain: Callable[[bytes], Awaitable[tuple[int, bytes]]], spawn: Callable, local_token: str):
         self._http, self._own_url, self._drain, self._spawn = http, own_url, drain, spawn
+        self._local_token = local_token
         self._running: dict[tuple[str, int], asyncio.Task] = {}
 
     def on_request(self, link: Link, msg: ApiRequest) -> None:
@@ -147,9 +151,13 @@ class TunnelServer:
             raise
 
     async def _loopback(self, link: Link, msg: ApiRequest) -> None:
-        headers = {"Content-Type": "application/json"}
+        # The tunnel's mark (this process's own token) lets the API trust the client the
+        # member names, for KV fairness; the client's key is still checked as given.
+        headers = {"Content-Type": "application/json", TUNNEL_HEADER: self._local_token}
         if msg.authorization:
             headers["Authorization"] = msg.authorization
+        if msg.client and len(msg.client) <= MAX_CLIENT and plain_header(msg.client):
+            headers[CLIENT_HEADER] = msg.client
         status = 502
         try:
             async with self._http().post(self._own_url() + msg.path, data=msg.body, headers=headers, ssl=False,

@@ -7,16 +7,19 @@ side's ShardsError) becomes a 4xx/5xx JSON body, and the daemon goes on serving.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import hmac
-import json
 
 import structlog
 from aiohttp import web
 
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull
 from meshd.serving import dashboard
+from meshd.control.tunnel import TUNNEL_HEADER
 from meshd.serving.daemon import NODE, Daemon
+from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
@@ -85,6 +88,18 @@ def _own_call(request: web.Request) -> bool:
     return given is not None and _same(given, request.app[NODE].local_token)
 
 
+def _mesh_peer(request: web.Request) -> bool:
+    """A request a member handed over the sealed link (the tunnel marks it with this
+    process's own token), for a client that member authenticated itself."""
+    given = request.headers.get(TUNNEL_HEADER)
+    return given is not None and _same(given, request.app[NODE].local_token)
+
+
+def _control_keys(request: web.Request):
+    node = request.app[NODE]
+    return node.control_keys or node.api_keys
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
@@ -104,11 +119,12 @@ async def auth_middleware(request: web.Request, handler):
 
 
 async def read_json(request: web.Request):
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from None
+    try:  # a body that trickles in holds its connection busy: it gets as long as an idle one
+        async with asyncio.timeout(request.app[NODE].config.http_idle_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadRequest("request body not received in time", 408) from None
+    return parse_json(raw)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -124,19 +140,29 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     if node.stopping:
         raise NoCapacity("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
+    client = request[CLIENT_KEY] = client_id(request, _mesh_peer(request), _bearer(request))
     if not node.view.is_supernode:
         return await proxy_completion(node, request, body, chat)
     engine_ready = node.serving_parts()
     if engine_ready is None:
         raise NoCapacity(node.unavailable_reason())
     tokenizer, context = engine_ready
-    req = parse_request(
-        body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
+    check_prompt_size(body, context, tokenizer.max_token_chars)
+    # Tokenizing (and rendering a chat template) takes a while on a long prompt: on a
+    # thread of its own, so heartbeats and other requests go on meanwhile.
+    req = await asyncio.get_running_loop().run_in_executor(_tokenize_pool(), functools.partial(
+        parse_request, body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
         max_tokens_limit=node.config.max_tokens_limit,
-    )
+    ))
     if req.stream:
-        return await _stream(request, node, req)
-    return await _whole(node, req)
+        return await _stream(request, node, req, client)
+    return await _whole(node, req, client)
+
+
+@functools.cache
+def _tokenize_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread: prompts are tokenized one at a time, off the event loop."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-tokenize")
 
 
 def _choice_params(req: CompletionRequest, index: int):
@@ -145,7 +171,7 @@ def _choice_params(req: CompletionRequest, index: int):
     return dataclasses.replace(req.params, seed=req.params.seed + index)
 
 
-async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
+async def _whole(node: Daemon, req: CompletionRequest, client: str | None = None) -> web.Response:
     cid = completion_id(req.chat)
     usage = Usage()
 
@@ -153,6 +179,7 @@ async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
         text, ids, finish = [], [], None
         async for chunk in node.metrics.observe(node.scheduler.generate(
             req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
+            client=client, request=cid,
         )):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
@@ -163,7 +190,8 @@ async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
     return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
 
 
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) -> web.StreamResponse:
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
+                  client: str | None = None) -> web.StreamResponse:
     cid = completion_id(req.chat)
     # Fail before the 200 goes out when the mesh cannot serve at all.
     if node.pipeline.plan is None:
@@ -179,6 +207,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) ->
         try:
             async for chunk in node.metrics.observe(node.scheduler.generate(
                 req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
+                client=client, request=cid,
             )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
                 await queue.put(data)
@@ -262,7 +291,8 @@ def make_app(node: Daemon) -> web.Application:
     """The HTTP app of a peer: these routes, and the node's own (``/mesh/...``) added by it."""
     app = web.Application(client_max_size=node.config.max_body_bytes,
                           # outermost first: the count sees the status the client gets
-                          middlewares=[node.metrics.count_requests, auth_middleware, errors_middleware])
+                          middlewares=[node.metrics.count_requests, control_guard(_control_keys, _mesh_peer),
+                                       auth_middleware, errors_middleware])
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)
     dashboard.add_routes(app)

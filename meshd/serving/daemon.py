@@ -28,7 +28,7 @@ class Upstream(Protocol):
     def current_term(self) -> int: ...
 
     def supernode_post(self, path: str, body: object, authorization: str = "",
-                       timeout: aiohttp.ClientTimeout | None = None) -> AsyncContextManager:
+                       timeout: aiohttp.ClientTimeout | None = None, client: str = "") -> AsyncContextManager:
         """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
     async def wait_new_term(self, term: int) -> None: ...

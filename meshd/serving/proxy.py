@@ -18,6 +18,7 @@ from aiohttp import web
 
 from meshd.errors import NoCapacity
 from meshd.serving.daemon import Upstream
+from meshd.serving.guards import CLIENT_KEY
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
@@ -86,7 +87,7 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
         try:
             # Over the sealed link (the client's own key goes along: the supernode's keys apply).
             async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""),
-                                           silence) as up:
+                                           silence, client=request.get(CLIENT_KEY, "")) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
                     payload = await up.read()

@@ -23,7 +23,7 @@ from enum import IntEnum
 import structlog
 import torch
 
-from meshd.errors import KNOWN_ERRORS, NoCapacity
+from meshd.errors import KNOWN_ERRORS, NoCapacity, StageFailed
 from meshd.serving.pipeline import Pipeline
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -32,6 +32,10 @@ log = structlog.get_logger()
 
 MAX_LANES = 4
 MAX_BATCH = 64  # sessions per lane step
+# A client with requests in flight may hold at most this share of the KV budget (its one
+# request, all its choices, is admitted whenever the budget fits it): no client can lock
+# every other client out.
+CLIENT_SHARE = 0.5
 
 # Interactive requests keep priority over batch-job lines (meshd/serving/batch.py), which
 # fill the room they leave:
@@ -70,6 +74,8 @@ class Session:
     cached: int = 0
     term: int | None = None
     reserved: int = 0  # KV positions admitted for it
+    client: str | None = None  # who asked (an API key's hash, an address), for KV fairness
+    request: object = None  # the request it is a choice of (a request's choices count as one)
     sampler: Sampler | None = None
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None (or an exception)
     finished: bool = False
@@ -137,6 +143,7 @@ class Scheduler:
         self.active: dict[str, Session] = {}
         self.lanes = [Lane(i) for i in range(MAX_LANES)]
         self.reserved_tokens = 0
+        self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
         self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
         self.interactive = 0  # interactive sessions admitted and not yet finished
         self.tokens_generated = 0
@@ -167,6 +174,11 @@ class Scheduler:
                 results = {}
                 for s in batch:
                     self._finish(s, exc)
+            except Exception as exc:  # e.g. a stage's hidden state torch cannot use: these requests fail, the lane goes on
+                log.exception("step_failed", sessions=len(batch))
+                results = {}
+                for s in batch:
+                    self._finish(s, StageFailed(f"the step failed: {exc!r}"))
             finally:
                 for s in batch:
                     s.in_step = False
@@ -198,22 +210,33 @@ class Scheduler:
 
     def _admit(self, session: Session) -> None:
         need = session.prompt_len + session.params.max_tokens
-        if self.kv_budget_tokens is not None and self.reserved_tokens + need > self.kv_budget_tokens:
+        budget = self.kv_budget_tokens
+        if budget is not None and self.reserved_tokens + need > budget:
             raise NoCapacity(
-                f"KV cache budget full: {self.reserved_tokens} of {self.kv_budget_tokens} positions in use, "
+                f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
                 f"this request needs {need}; retry shortly"
             )
+        held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
+        others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
+        if budget is not None and others > 0 and held + need > budget * CLIENT_SHARE:
+            raise NoCapacity(
+                f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
+                f"while others may need them), this request needs {need}; retry once one of its requests ends"
+            )
         batch = session.priority is Priority.BATCH
-        if (batch and self.kv_budget_tokens is not None and self.batch_reserved
-                and self.batch_reserved + need > self.kv_budget_tokens * BATCH_KV_SHARE):
+        if (batch and budget is not None and self.batch_reserved
+                and self.batch_reserved + need > budget * BATCH_KV_SHARE):
             raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
-                             f"{self.kv_budget_tokens} positions); retry shortly")
+                             f"{budget} positions); retry shortly")
         session.reserved = need
         self.reserved_tokens += need
         if batch:
             self.batch_reserved += need
         else:
             self.interactive += 1
+        if session.client is not None:
+            for key in (session.client, ("request", session.request)):
+                self.reserved_by[key] = self.reserved_by.get(key, 0) + need
         self.active[session.id] = session
         lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
         lane.sessions.append(session)
@@ -243,12 +266,17 @@ class Scheduler:
         usage: Usage | None = None,
         history: list[int] | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        client: str | None = None,
+        request: object = None,
     ) -> AsyncIterator[Chunk]:
         """Stream chunks for one choice. ``history`` resumes a generation whose
         first tokens were already produced (a resubmission after a supernode loss)."""
         assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
         session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
-                          self.tokenizer.eos_ids, sampler=Sampler(params), priority=priority)
+                          self.tokenizer.eos_ids, sampler=Sampler(params), priority=priority,
+                          # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
+                          client=client if priority is Priority.INTERACTIVE else None,
+                          request=request if request is not None else object())
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
             decoder.push(tok)
@@ -293,6 +321,13 @@ class Scheduler:
                 else:
                     self.interactive -= 1
             self.reserved_tokens -= session.reserved
+            if session.client is not None and session.reserved:
+                for key in (session.client, ("request", session.request)):
+                    left = self.reserved_by.get(key, 0) - session.reserved
+                    if left > 0:
+                        self.reserved_by[key] = left
+                    else:
+                        self.reserved_by.pop(key, None)
             if self.on_finished is not None:
                 self.on_finished()
             if usage is not None:

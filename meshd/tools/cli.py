@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level")
     run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
     run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
+    run.add_argument("--max-connections", type=int,
+                     help="HTTP connections held at once; past it the oldest idle one is closed (default 1024)")
+    run.add_argument("--http-idle-s", type=float, help="seconds an HTTP connection may idle or send its headers")
     run.add_argument("--tls-cert", type=Path, help="certificate: serve the API over HTTPS (peer links then use wss)")
     run.add_argument("--tls-key", type=Path)
     run.add_argument("--tls-ca", type=Path, help="CA that peers' HTTPS certificates must chain to")

@@ -49,6 +49,11 @@ TimeoutStartSec=15min
 # Longer than the drain: {drain_waits} waits of drain_timeout_s ({drain:g} s) plus a margin.
 TimeoutStopSec={stop}
 KillMode=mixed
+# One descriptor per connection and peer link: the daemon keeps max_connections
+# (1024) below this. MemoryMax: a runaway daemon is stopped (and restarted) before
+# the box swaps itself to a halt; the model's weights and KV caches fit well below.
+LimitNOFILE=65536
+MemoryMax=90%
 
 DynamicUser=yes
 StateDirectory=meshd

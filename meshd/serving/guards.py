@@ -1,0 +1,143 @@
+"""What the HTTP side checks before it does any work for a caller: that a JSON body is
+one a server can hold (not nested without end, no integers of thousands of digits),
+that a control endpoint's caller is allowed (a key, this host, or a peer of the mesh)
+and sent JSON (a foreign web page can POST text/plain to any address, but not
+application/json without a preflight), that a prompt is not longer than the context
+could ever hold before it is tokenized, and who the client is (for KV fairness).
+
+Each is a small function or middleware, so the API's routes stay as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+from meshd.control.tunnel import CLIENT_HEADER
+from meshd.errors import BadRequest
+from meshd.serving.openai import error_json
+
+MAX_JSON_DEPTH = 64
+CLIENT_KEY = web.RequestKey("meshd_client", str)  # a request's client_id, for the proxy to forward
+CONTROL_PREFIX = "/v1/mesh/"
+JSON_TYPES = ("application/json",)
+
+
+# -- bodies ----------------------------------------------------------------------------
+
+
+def parse_json(raw: bytes):
+    """The JSON value of a request body, or BadRequest (400) saying what is wrong with it."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    if _depth_over(value, MAX_JSON_DEPTH):
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth_over(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+    return False
+
+
+def prompt_chars(body: object) -> int:
+    """Characters of the text a completion or chat body has tokenized: its prompt, or its
+    messages' contents (strings and text parts). Counted without tokenizing."""
+    if not isinstance(body, dict):
+        return 0
+    total = 0
+    prompt = body.get("prompt")
+    for p in prompt if isinstance(prompt, list) else [prompt]:
+        if isinstance(p, str):
+            total += len(p)
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                total += len(part["text"])
+    return total
+
+
+def check_prompt_size(body: object, context: int, max_token_chars: int) -> None:
+    """A prompt longer than ``context`` tokens of the longest token the vocabulary has
+    cannot fit, whatever it tokenizes to: refused before the tokenizer sees it (a 1 MiB
+    prompt took seconds of tokenizing)."""
+    limit = context * max_token_chars
+    if (n := prompt_chars(body)) > limit:
+        param = "messages" if isinstance(body, dict) and "messages" in body else "prompt"
+        raise BadRequest(f"the prompt has {n} characters; the context window of {context} tokens "
+                         f"holds at most {limit}", param=param)
+
+
+# -- callers ---------------------------------------------------------------------------
+
+
+def local_caller(request: web.Request) -> bool:
+    """A connection from this host: from loopback, or from one of this host's own
+    addresses (its source is the address it reached)."""
+    transport = request.transport
+    if transport is None:
+        return False
+    peer, sock = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not peer or not isinstance(peer, tuple):
+        return isinstance(peer, str)  # a unix socket
+    try:
+        ip = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return False
+    if getattr(ip, "ipv4_mapped", None) is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or (bool(sock) and ipaddress.ip_address(sock[0]) == ipaddress.ip_address(peer[0]))
+
+
+def client_id(request: web.Request, mesh_peer: bool, bearer: str | None) -> str:
+    """Who a request is for, as KV admission counts it: the client a peer forwarded for,
+    else the API key it used (hashed), else its address."""
+    if mesh_peer and (forwarded := request.headers.get(CLIENT_HEADER)):
+        return forwarded[:128]
+    if bearer:
+        return "key:" + hashlib.sha256(bearer.encode()).hexdigest()[:16]
+    return "addr:" + (request.remote or "?")
+
+
+def control_guard(keys: Callable[[web.Request], Iterable[str]], mesh_peer: Callable[[web.Request], bool]):
+    """Middleware for ``/v1/mesh/*``: JSON bodies only, and, when no key is configured for
+    it, only callers on this host or peers of the mesh (with a key, the auth middleware
+    asks for it)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if request.path.startswith(CONTROL_PREFIX):
+            if request.method not in ("GET", "HEAD", "OPTIONS") and request.content_type not in JSON_TYPES:
+                return _error(f"control endpoints take application/json, not {request.content_type}", 415)
+            if not any(True for _ in keys(request)) and not local_caller(request) and not mesh_peer(request):
+                return _error("control endpoints answer callers on this host, peers of the mesh, or a "
+                              "control key (control_key_file)", 403)
+        return await handler(request)
+
+    return guard
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response(error_json(message, status), status=status)

@@ -1,0 +1,198 @@
+"""A client's inputs and resource use, as the review attacked them, against real daemons:
+
+- 1,100 idle connections (half of them stopped mid-headers) to a ``meshd run`` started
+  with the common soft limit of 1024 open files: /healthz answers within 1 s throughout,
+  the oldest idle connections are closed for new ones, and no traceback is logged;
+- deeply nested JSON and a 5000-digit integer: 400 with OpenAI's error shape, not 500;
+- one client cannot hold the whole KV budget: its second request waits (503) while
+  another client's is admitted;
+- a prompt longer than the context could hold is refused before tokenizing, and long
+  prompts being tokenized leave /healthz answering within 1 s (on the real model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import socket
+import time
+
+import aiohttp
+import pytest
+
+from tests.fixtures.api import assert_error_body
+from tests.fixtures.daemon import http_get, running_daemon, running_node
+
+IDLE = 1100
+
+
+def healthz_seconds(url: str) -> float:
+    t0 = time.monotonic()
+    status, _ = http_get(url + "/healthz", timeout=1.0)
+    took = time.monotonic() - t0
+    assert status == 200 and took < 1.0, (status, took)
+    return took
+
+
+@contextlib.contextmanager
+def nofile_soft(limit: int):
+    """This process's soft open-files limit at ``limit`` (children inherit it), then back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_idle_connections_leave_healthz_answering(tiny_model_dir, tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < IDLE + 200:
+        pytest.skip(f"the hard open-files limit {hard} is below {IDLE + 200}")
+    with nofile_soft(1024):  # what the daemon starts with; it raises its own
+        ctx = running_daemon(tiny_model_dir, tmp_path / "state", tmp_path / "meshd.log", "--max-connections", "512")
+        served = ctx.__enter__()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    socks: list[socket.socket] = []
+    try:
+        port = int(served.url.rsplit(":", 1)[1])
+        worst = 0.0
+        for i in range(IDLE):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if i % 2:  # a slowloris: headers begun, never finished
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            socks.append(s)
+            if i % 100 == 99:
+                worst = max(worst, healthz_seconds(served.url))
+        for _ in range(5):
+            worst = max(worst, healthz_seconds(served.url))
+        # The oldest idle ones were closed to make room (the server hung up on them).
+        closed = 0
+        for s in socks[:200]:
+            s.settimeout(0.2)
+            with contextlib.suppress(TimeoutError, ConnectionResetError):
+                closed += s.recv(64) == b""
+        assert closed >= 100, f"only {closed} of the oldest 200 idle connections were closed"
+        assert served.proc.poll() is None
+        text = served.log_path.read_text(errors="replace")
+        assert "Traceback" not in text and "Too many open files" not in text, text[-3000:]
+        assert "connections_evicted" in text
+        nofile = int(open(f"/proc/{served.proc.pid}/limits").read().split("Max open files")[1].split()[0])
+        assert nofile > 1024, "the daemon should raise its soft limit toward the hard one"
+    finally:
+        for s in socks:
+            s.close()
+        ctx.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "digit"),
+    (b'{"prompt": "x", "a": ' + b"[" * 65 + b"]" * 65 + b"}", "nested"),
+])
+def test_malformed_bodies_are_400_with_the_error_shape(tiny_daemon, raw, what):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(tiny_daemon.url + "/v1/completions", raw, {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+        raise AssertionError("a malformed body was served")
+    except urllib.error.HTTPError as exc:
+        status, data = exc.code, json.loads(exc.read())
+    assert status == 400, (status, data)
+    assert_error_body(data)
+    assert what in data["error"]["message"], data
+    assert http_get(tiny_daemon.url + "/healthz")[0] == 200
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_one_client_cannot_hold_the_whole_kv_budget(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-a\nkey-b\n")
+    async with running_node(tiny_model_dir, tmp_path / "state", kv_budget_tokens=400, api_key_file=keys,
+                            debug_layer_delay_ms=5.0) as served, aiohttp.ClientSession() as http:
+        def body(n: int, stream: bool = False) -> dict:
+            return {"prompt": "A mesh of small machines", "max_tokens": n, "temperature": 0, "stream": stream}
+
+        a = {"Authorization": "Bearer key-a"}
+        async with http.post(served.url + "/v1/completions", json=body(150, True), headers=a) as first:
+            assert first.status == 200
+            await first.content.readline()  # its session is admitted and running
+            assert served.node.scheduler.reserved_tokens > 150
+            # Client A again: 215 of 400 would fit the budget, not half of it.
+            async with http.post(served.url + "/v1/completions", json=body(50), headers=a) as second:
+                data = await second.json()
+                assert second.status == 503, data
+                assert_error_body(data)
+                assert "this client holds" in data["error"]["message"]
+            # Client B still gets in.
+            async with http.post(served.url + "/v1/completions", json=body(4),
+                                 headers={"Authorization": "Bearer key-b"}) as other:
+                data = await other.json()
+                assert other.status == 200, data
+                assert len(data["choices"][0]["token_ids"]) > 0
+        # The client hung up on its stream: what it held is free again.
+        deadline = time.monotonic() + 10
+        while served.node.scheduler.reserved_by and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert served.node.scheduler.reserved_by == {} and served.node.scheduler.reserved_tokens == 0
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_long_prompts_are_bounded_and_tokenized_off_the_loop(real_model_dir, tmp_path):
+    async with running_node(real_model_dir, tmp_path / "state") as served, aiohttp.ClientSession() as http:
+        tokenizer, context = served.node.serving_parts()
+        bound = context * tokenizer.max_token_chars
+        words = "hello world the quick brown fox jumps over the lazy dog "
+
+        async def post(chars: int) -> tuple[int, dict]:
+            prompt = (words * (chars // len(words) + 1))[:chars]
+            async with http.post(served.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                return r.status, await r.json()
+
+        # Over the bound: refused at once, the tokenizer never sees it.
+        t0 = time.monotonic()
+        status, data = await post(bound + 1)
+        assert status == 400 and "characters" in data["error"]["message"], data
+        assert time.monotonic() - t0 < 1.0
+        # Under it: tokenized (then refused for its length in tokens) while /healthz answers.
+        posts = asyncio.gather(*(post(bound - 16) for _ in range(3)))
+        worst = 0.0
+        while not posts.done():
+            t0 = time.monotonic()
+            async with http.get(served.url + "/healthz") as r:
+                assert r.status == 200
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+        results = await posts
+        assert all(s == 400 and "context window" in d["error"]["message"] for s, d in results), results
+        assert worst < 1.0, f"/healthz took {worst:.2f} s while prompts were tokenized"
+
+
+@pytest.mark.netns
+def test_control_endpoints_answer_only_this_host_without_a_key(tiny_mesh):
+    """No key configured: a drain from another box (pytest, across the bridge) is refused,
+    a foreign page's text/plain POST too; the same drain from the peer's own box gets in."""
+    import json
+    import urllib.request
+
+    from tests.meshlab import http_json_from
+
+    target = tiny_mesh.daemons[1]
+    plan = tiny_mesh.daemons[0].status()["plan"]
+    url = target.url + "/v1/mesh/drain"
+    body = {"node": "no-such-node"}
+    for ctype, want in (("application/json", 403), ("text/plain", 415)):
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": ctype})
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError(f"a {ctype} drain from another host got in")
+        except urllib.error.HTTPError as exc:
+            status, data = exc.code, json.loads(exc.read())
+        assert status == want, (ctype, status, data)
+        assert_error_body(data)
+    status, data = http_json_from(target.host, url, body)
+    assert status == 404 and "no-such-node" in data["error"]["message"], (status, data)
+    assert tiny_mesh.daemons[0].status()["plan"] == plan  # nothing was drained
