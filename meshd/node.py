@@ -274,6 +274,23 @@ class Node:
         link = view.links.get(view.supernode) if view.supernode else None
         return view.plan is not None and view.plan.supernode == view.supernode and link is not None and link.alive
 
+    def routable(self) -> bool:
+        """Whether a completion sent here can go to a supernode now: as ``serves``, and a
+        peer back from a restart, in no plan yet, sends it to the supernode it elects."""
+        view = self.view
+        if self.serves() or view.is_supernode or view.plan is not None:
+            return self.serves()
+        link = view.links.get(view.supernode) if view.supernode else None
+        return link is not None and link.alive
+
+    async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
+        """The supernode's serving parts, waiting (within the failover wait) while it
+        negotiates its first plan: a peer just elected serves, not 503s."""
+        if self.serving_parts() is None and self.leader.negotiating():
+            await self.view.changes.wait_for(lambda: self.serving_parts() is not None or not self.leader.negotiating(),
+                                             self.config.failover_wait_s)
+        return self.serving_parts()
+
     def serving_parts(self) -> tuple[MeshTokenizer, int] | None:
         tokenizer, manifest = self.scheduler.tokenizer, self.store.manifest
         if tokenizer is None or manifest is None or self.pipeline.plan is None:
@@ -329,15 +346,23 @@ class Node:
 
     async def supernode_base_url(self) -> str:
         """Where to send a completion now: the supernode's API (maybe our own)."""
-        await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
+        await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
         if self.view.is_supernode:
             return self.own_url()
         return peer_url(self.config.scheme, self.view.links[self.view.supernode])
 
-    async def wait_new_term(self, term: int) -> None:
-        """After losing the supernode mid-request: wait for the plan of the next one."""
-        await self._wait_for(lambda: self.serves() and self.current_term() > term, self.config.failover_wait_s,
-                             "no new supernode took over")
+    def upstream_mark(self) -> tuple:
+        view = self.view
+        return view.supernode, self.current_term(), None if view.is_supernode else view.links.get(view.supernode)
+
+    async def wait_upstream_change(self, mark: tuple) -> None:
+        """After an attempt failed (the supernode lost, yielded or stopping): wait until a
+        supernode serves under another term, or another supernode, or over a new link."""
+        def changed() -> bool:
+            now = self.upstream_mark()
+            return self.routable() and (now[:2] != mark[:2] or now[2] is not mark[2])
+
+        await self._wait_for(changed, self.config.failover_wait_s, "no new supernode took over")
 
 
 class _Stopped(Exception):

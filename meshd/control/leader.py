@@ -51,7 +51,7 @@ class PlanSink(Protocol):
     async def serve(self, term: int, assignments: Sequence[Assignment], runners: Mapping[NodeId, StageRunner]
                     ) -> None: ...
 
-    async def suspend(self, reason: str) -> None: ...
+    async def suspend(self, reason: str, moved: bool = False) -> None: ...
 
 
 class Leader:
@@ -119,12 +119,16 @@ class Leader:
         if self._lead_task is not None and not self._lead_task.done():
             self._lead_task.cancel()
         if winner == self.view.node_id:
+            if not self.view.is_supernode:  # the reason a 503 gives is this peer's, not the old supernode's
+                self.view.set_unavailable(NotServing.PLANNING, "this peer took over as supernode and is planning")
             self.view.set_supernode(winner)
             self._lead_task = self.spawn(self._lead(self._reason))
         else:
             if self.view.is_supernode:
+                # The sessions running here go on at the new supernode at once (the entry
+                # peers resubmit theirs, the API hands on its own), not after a timeout.
                 log.info("supernode_yields", to=winner)
-                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}"))
+                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}", moved=True))
             self.view.set_supernode(winner)
             self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, f"waiting for a plan from {winner}")
 

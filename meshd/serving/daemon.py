@@ -24,11 +24,13 @@ class Upstream(Protocol):
     config: Config
     http: aiohttp.ClientSession | None
 
-    def current_term(self) -> int: ...
+    def upstream_mark(self) -> tuple:
+        """Who serves now (supernode, term, link): what a failed attempt waits to see change."""
 
     async def supernode_base_url(self) -> str: ...
 
-    async def wait_new_term(self, term: int) -> None: ...
+    async def wait_upstream_change(self, mark: tuple) -> None:
+        """Until a supernode serves that is not the one ``mark`` names (NoCapacity after the failover wait)."""
 
     def mesh_auth(self, path: str) -> dict[str, str]: ...
 
@@ -51,6 +53,9 @@ class Daemon(Upstream, Protocol):
     def model_name(self) -> str: ...
 
     def serves(self) -> bool: ...
+
+    async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
+        """serving_parts, once a plan being negotiated is active (bounded)."""
 
     def serving_parts(self) -> tuple[MeshTokenizer, int] | None:
         """The supernode's tokenizer and context length, once it serves."""

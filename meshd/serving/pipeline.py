@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from meshd.control.runner import StageRunner
-from meshd.errors import NoCapacity, PeerLost, StageFailed
+from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
 
 log = structlog.get_logger()
@@ -46,6 +46,7 @@ class Pipeline:
         self._changed = asyncio.Condition()
         self._wait_s = wait_s
         self._unavailable = "no plan is active yet"
+        self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
 
     @property
@@ -57,13 +58,16 @@ class Pipeline:
         """Steps run under this plan from now on (a step that failed under an older one retries here)."""
         await self._set(ActivePlan(term, tuple(assignments), runners))
 
-    async def suspend(self, reason: str) -> None:
-        """No plan: steps wait (bounded) for the next one, then fail with ``reason``."""
-        await self._set(None, reason)
+    async def suspend(self, reason: str, moved: bool = False) -> None:
+        """No plan: steps wait (bounded) for the next one, then fail with ``reason``;
+        ``moved`` (another peer is supernode now, or this one stops): they fail at once
+        with SupernodeChanged, so their requests go on at the next supernode."""
+        await self._set(None, reason, moved)
 
-    async def _set(self, plan: ActivePlan | None, reason: str = "") -> None:
+    async def _set(self, plan: ActivePlan | None, reason: str = "", moved: bool = False) -> None:
         async with self._changed:
             self._plan = plan
+            self._moved = reason if moved else None
             if plan is None:
                 self._unavailable = reason or "the mesh has no active plan"
             self._changed.notify_all()
@@ -77,6 +81,8 @@ class Pipeline:
 
         async with self._changed:
             while not ready():
+                if self._moved is not None:
+                    raise SupernodeChanged(self._moved)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoCapacity(self._unavailable)
