@@ -97,3 +97,55 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert token_ids(events) == want
         assert [e for e in logs if e.get("event") == "proxy_resubmit"], "the stream did not survive a resubmit"
         assert entry.node.view.is_supernode and entry.node.current_term() > term
+
+
+async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
+    """The supernode's KV budget is full: through the entry peer the client gets the 503
+    (whole or streamed), not a 200 with empty text and no finish reason."""
+    async with pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            body = greedy(max_tokens=64)
+            for stream_it in (False, True):
+                async with http.post(entry.url + "/v1/completions", json=body | {"stream": stream_it}) as resp:
+                    data = await resp.json(content_type=None)
+                    assert resp.status == 503, (stream_it, resp.status, data)
+                    assert "KV cache budget full" in data["error"]["message"], data
+            status, ok = await post(http, entry.url, greedy(max_tokens=8))
+            assert status == 200 and ok["choices"][0]["finish_reason"] == "length", ok
+
+
+async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_path):
+    """A peer that outranks the supernode joins mid-stream: the supernode yields at once,
+    and both streams (one through the entry peer, one sent straight to the old
+    supernode) go on at the new one, token for token the unfaulted answer, without
+    waiting out a timer."""
+    n = 48
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
+    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
+        port = lambda served: served.url.rsplit(":", 1)[1]  # noqa: E731
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            started = asyncio.Event()
+
+            async def note(events: list) -> None:
+                if len(token_ids(events)) >= 4:
+                    started.set()
+
+            with capture_logs() as logs:
+                via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n), on_event=note))
+                straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n)))
+                whole = asyncio.create_task(post(http, sup.url, greedy(max_tokens=n)))
+                await asyncio.wait_for(started.wait(), 60)
+                async with running_node(tiny_model_dir, tmp_path / "big", name="big", advertise_vram=16 * GiB,
+                                        secret_file=tmp_path / "secret", debug_layer_delay_ms=15.0,
+                                        peer=(f"127.0.0.1:{port(sup)}", f"127.0.0.1:{port(entry)}")) as big:
+                    results = await asyncio.wait_for(asyncio.gather(via_entry, straight, whole), 90)
+                    assert big.node.view.is_supernode and not sup.node.view.is_supernode
+        for events in results[:2]:
+            assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events
+            assert token_ids(events) == want
+        status, body = results[2]
+        assert status == 200 and body["choices"][0]["token_ids"] == want, body
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert [e for e in logs if e.get("event") == "supernode_yields"], "the supernode did not yield mid-stream"
+        assert len([e for e in logs if e.get("event") == "session_handed_on"]) == 2, "its own requests went on"
+        assert [e for e in logs if e.get("event") == "proxy_resubmit"]
