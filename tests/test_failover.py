@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faultlab import Stream, peer_state, plan_nodes, restart, wait_status
+from tests.faultlab import Clients, Stream, peer_state, plan_nodes, restart, summarize, wait_status
 from tests.meshlab import Daemon, MeshLab, greedy_reference, http_json, plan_spans
 from tests.netlab import Host, Lab
 
@@ -321,3 +321,71 @@ def test_drain_moves_the_span_away_mid_stream_then_sigterm_changes_nothing(fm):
     assert (after["term"], plan_spans(after)) == (term, plan), (term, plan, after["term"], plan_spans(after))
     assert peer_state(after, victim.node_id) == "lost"
     assert len(fm.supernode.log_events("session_replay")) == replays, "the second stream was replayed"
+
+
+# -- the supernode changes under concurrent clients ------------------------------------------
+
+
+def run_clients(fm: FaultMesh, entries: list[Daemon], faults, settle_s: float = 3.0) -> dict:
+    """Greedy clients on ``entries`` (one each) while ``faults()`` runs; then the mesh heals
+    and one more round runs. Every answer must be the unfaulted one or an error the README
+    documents (none here: no client talks to a peer that is killed)."""
+    clients = Clients([[d.url] for d in entries], PROMPT, fm.reference).start()
+    try:
+        time.sleep(2.0)  # streams in flight when the first fault lands
+        faults()
+        fm.heal()
+        time.sleep(settle_s)
+    finally:
+        outcomes = clients.stop()
+    summary = summarize(outcomes)
+    bad = [o for o in outcomes if o.kind != "exact"]
+    assert not bad, f"{summary}\n" + "\n".join(f"{o.kind} {o.url} {o.detail}" for o in bad[:8]) + fm.report()
+    print(f"\n{summary}")
+    return summary
+
+
+def test_supernode_killed_then_back_10s_later_every_answer_exact(fm):
+    """SIGKILL of the supernode, restarted 10 s later: it takes over again while streams
+    run through the other peers and straight at the interim supernode; every answer is
+    the unfaulted one, none waits out a timer."""
+    sup, heir = fm.supernode, fm.daemons[1]
+    others = [d for d in fm.daemons if d is not sup]
+
+    def faults() -> None:
+        sup.kill()
+        terms_after(fm, heir, fm.view["term"], lost=sup)
+        time.sleep(max(0.0, 10.0 - 3.0))
+        fm.daemons[fm.daemons.index(sup)] = back = restart(fm.mesh, sup)
+        wait_status(fm.mesh, heir, lambda v: v["supernode"] == back.node_id and v["serving"],
+                    "following the restarted supernode", timeout=60)
+
+    summary = run_clients(fm, others, faults)
+    assert summary["requests"] >= 6
+    assert fm.supernode.node_id == sup.node_id
+    handed = [e for d in others for e in d.log_events("proxy_resubmit")]
+    assert handed, "no stream was in flight when the supernode changed"
+
+
+@pytest.mark.parametrize("target", ["stage", "supernode"])
+def test_sigstop_6s_then_cable_pulled_5s_every_answer_exact(fm, target):
+    """A 6 s SIGSTOP, then (healed) a 5 s pulled cable, of a stage or of the supernode,
+    under concurrent clients on the peers not faulted: every answer is the unfaulted one.
+    The peer that wakes or is plugged back asks before it declares the others lost,
+    and the mesh comes back as one."""
+    victim = fm.stage() if target == "stage" else fm.supernode
+    entries = [d for d in fm.daemons if d is not victim]
+
+    def faults() -> None:
+        victim.stop()
+        time.sleep(6.0)
+        victim.cont()
+        fm.heal()
+        fm.downed.append(victim.host)
+        victim.host.link_down()
+        time.sleep(5.0)
+        victim.host.link_up()
+        fm.downed.clear()
+
+    run_clients(fm, entries, faults)
+    assert len({d.status()["supernode"] for d in fm.daemons}) == 1
