@@ -119,7 +119,8 @@ class Node:
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
-                             use_model=self._use_model, busy=lambda: bool(self.scheduler.active))
+                             use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
+                             isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
