@@ -66,6 +66,7 @@ from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
+ABORT_GRACE_S = 1.0  # at the drain deadline, for the sessions ended then to tell their clients
 KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured
 
 
@@ -173,6 +174,7 @@ class Node:
         runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s,
                                handler_cancellation=True)
         discovery = None
+        deadline: float | None = None  # of the stop, once it began
         try:
             await runner.setup()
             site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=server_tls)
@@ -199,11 +201,13 @@ class Node:
                 await stop.wait()
                 log.info("node_stopping")
                 self.stopping = True  # new requests get a 503 from here on; those in flight finish
+                # The whole stop takes one drain timeout, whatever is left running.
+                deadline = time.monotonic() + self.config.drain_timeout_s
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
-                await self.request_own_drain()  # hand the span away
-                await self._drain()  # let in-flight sessions finish
+                await self.request_own_drain(deadline)  # hand the span away
+                await self._drain(deadline)  # let in-flight sessions finish
                 for link in list(self.view.links.values()):
                     with contextlib.suppress(Exception):
                         await link.send(Bye("shutting down"))
@@ -215,15 +219,21 @@ class Node:
                 await discovery.close()
             for link in list(self.view.links.values()):
                 await link.close("node stopped")
+            if deadline is not None:  # requests still open here get what is left of the drain timeout
+                runner._shutdown_timeout = max(1.0, deadline - time.monotonic())  # aiohttp reads it at cleanup
             await runner.cleanup()
             await self.http.close()
             self.store.close()
             log.info("node_stopped")
 
-    async def _drain(self) -> None:
-        """Let in-flight sessions finish, within the drain timeout."""
-        if not await self.view.changes.wait_for(lambda: not self.scheduler.active, self.config.drain_timeout_s):
+    async def _drain(self, deadline: float) -> None:
+        """Let in-flight sessions finish by ``deadline``; those left then end now, with
+        a 503 that says so (an entry peer resubmits its own at the next supernode)."""
+        left = max(0.0, deadline - time.monotonic() - ABORT_GRACE_S)
+        if not await self.view.changes.wait_for(lambda: not self.scheduler.active, left):
             log.warning("drain_timeout", sessions=len(self.scheduler.active))
+            await self.pipeline.suspend("this peer is shutting down", moved=True)
+            await self.view.changes.wait_for(lambda: not self.scheduler.active, ABORT_GRACE_S)
 
     async def _notify_ready(self, on_ready) -> None:
         await self.view.changes.wait_for(self.serves, None)
@@ -313,14 +323,15 @@ class Node:
     async def drain_peer(self, peer: NodeId) -> dict:
         return await self.leader.drain(peer)
 
-    async def request_own_drain(self) -> None:
-        """At shutdown, a stage asks the supernode to move its span away first."""
+    async def request_own_drain(self, deadline: float) -> None:
+        """At shutdown, a stage asks the supernode to move its span away first (by half
+        the time to ``deadline``: the sessions it serves itself need the rest)."""
         if self.view.is_supernode or not self.view.in_plan(self.node_id):
             return
         try:
             base = await asyncio.wait_for(self.supernode_base_url(), 2.0)
             path = "/v1/mesh/drain"
-            timeout = aiohttp.ClientTimeout(total=self.config.drain_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=max(1.0, (deadline - time.monotonic()) / 2))
             async with self.http.post(base + path, json={"node": self.node_id}, headers=self.mesh_auth(path),
                                       timeout=timeout) as resp:
                 log.info("drained_self", status=resp.status)

@@ -149,3 +149,35 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
         assert [e for e in logs if e.get("event") == "supernode_yields"], "the supernode did not yield mid-stream"
         assert len([e for e in logs if e.get("event") == "session_handed_on"]) == 2, "its own requests went on"
         assert [e for e in logs if e.get("event") == "proxy_resubmit"]
+
+
+async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp_path):
+    """The supernode stops while a long stream runs on it and another runs through the
+    entry peer: the stop takes its drain timeout, not more; the stream sent straight to
+    it ends with an error event and [DONE] (never cut short, its session logged as cut),
+    and the one through the entry peer goes on at the next supernode, exact."""
+    n = 64
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
+    drain_s = 1.2
+    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            started = asyncio.Event()
+
+            async def note(events: list) -> None:
+                if len(token_ids(events)) >= 4:
+                    started.set()
+
+            with capture_logs() as logs:
+                straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n), on_event=note))
+                via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n)))
+                await asyncio.wait_for(started.wait(), 60)
+                t0 = asyncio.get_running_loop().time()
+                sup.stop.set()
+                await asyncio.wait_for(sup.task, drain_s + 5)
+                took = asyncio.get_running_loop().time() - t0
+                cut, through = await asyncio.wait_for(asyncio.gather(straight, via_entry), 60)
+    assert took < drain_s + 1.5, f"the stop took {took:.1f} s with a drain timeout of {drain_s} s"
+    assert cut[-1] == "[DONE]" and "shutting down" in cut[-2].get("error", {}).get("message", ""), cut[-3:]
+    assert len(token_ids(cut)) < n and token_ids(cut) == want[:len(token_ids(cut))]
+    assert through[-1] == "[DONE]" and token_ids(through) == want, through[-3:]
+    assert any(e.get("event") == "session_finished" and e.get("finish") == "cut" for e in logs)
