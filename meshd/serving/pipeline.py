@@ -103,6 +103,9 @@ class Pipeline:
         attempts = 0
         while True:
             plan = await self._wait_plan(failed_term)
+            # The engine this step embeds with and samples from: a yield can swap the
+            # peer's engine (a headless stage of the next supernode's plan) mid-step.
+            engine = self._head_engine()
             work = []  # (session, start, rows)
             for s in sessions:
                 start = s.cached if s.term == plan.term else 0
@@ -112,7 +115,11 @@ class Pipeline:
                     s.cached = 0
                 work.append((s, start, min(len(s.tokens) - start, PREFILL_CHUNK)))
             try:
-                hidden = await self._run(plan, work)
+                if engine is None:
+                    raise PeerLost("this peer holds no head under the plan now")
+                hidden = await self._run(plan, work, engine)
+                if self._head_engine() is not engine:
+                    raise PeerLost("the head changed during the step (the plan moved)")
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
                 attempts += 1
@@ -137,14 +144,13 @@ class Pipeline:
                 else:
                     out[s.id] = None
             if done:
-                picked = await self._head_engine().head_then(
+                picked = await engine.head_then(
                     hidden, [row for _, row in done], lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
                 for (s, _), token in zip(done, picked):
                     out[s.id] = token
             return out
 
-    async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:
-        engine = self._head_engine()
+    async def _run(self, plan: ActivePlan, work: list, engine) -> torch.Tensor:
         tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
         segments = [Segment(s.id, start, rows) for s, start, rows in work]
         hidden = await engine.embed(tokens)
