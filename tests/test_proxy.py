@@ -99,6 +99,17 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert entry.node.view.is_supernode and entry.node.current_term() > term
 
 
+def after_tokens(k: int):
+    """An event set once a stream has ``k`` tokens, and the ``on_event`` that sets it."""
+    started = asyncio.Event()
+
+    async def note(events: list) -> None:
+        if len(token_ids(events)) >= k:
+            started.set()
+
+    return started, note
+
+
 async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
     """The supernode's KV budget is full: through the entry peer the client gets the 503
     (whole or streamed), not a 200 with empty text and no finish reason."""
@@ -124,12 +135,7 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
     async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
         port = lambda served: served.url.rsplit(":", 1)[1]  # noqa: E731
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
-            started = asyncio.Event()
-
-            async def note(events: list) -> None:
-                if len(token_ids(events)) >= 4:
-                    started.set()
-
+            started, note = after_tokens(4)
             with capture_logs() as logs:
                 via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n), on_event=note))
                 straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n)))
@@ -161,12 +167,7 @@ async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp
     drain_s = 1.2
     async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
-            started = asyncio.Event()
-
-            async def note(events: list) -> None:
-                if len(token_ids(events)) >= 4:
-                    started.set()
-
+            started, note = after_tokens(4)
             with capture_logs() as logs:
                 straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n), on_event=note))
                 via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n)))
