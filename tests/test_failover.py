@@ -367,28 +367,26 @@ def test_supernode_killed_then_back_10s_later_every_answer_exact(fm):
     assert handed, "no stream was in flight when the supernode changed"
 
 
-@pytest.mark.parametrize("target", ["stage", "supernode"])
-def test_sigstop_6s_then_cable_pulled_5s_every_answer_exact(fm, target):
-    """A 6 s SIGSTOP, then a 5 s pulled cable, of a stage or of the supernode (whichever
-    holds the role when each fault lands), under concurrent clients on the other peers:
-    every answer is the unfaulted one, and the mesh comes back as one."""
-    def victim() -> Daemon:
+def test_sigstop_6s_of_the_supernode_then_a_stage_cable_pulled_5s_every_answer_exact(fm):
+    """A 6 s SIGSTOP of the supernode, then a 5 s pulled cable of a stage (whichever holds
+    the role then), under concurrent clients on the other peers: every answer is the
+    unfaulted one, and the mesh comes back as one. (The soak, tests/test_soak.py, does
+    the other pairing: a stage stopped, the supernode unplugged.)"""
+    def victim(role: str) -> Daemon:
         view = wait_status(fm.mesh, fm.daemons[-1], lambda v: v["serving"] and len(v["plan"]) >= 2,
                            "serving with a stage besides the supernode", timeout=60)
-        sup = fm.by_id(view["supernode"])
-        if target == "supernode":
-            return sup
-        return fm.by_id(next(a["node"] for a in view["plan"] if a["node"] != sup.node_id))
+        if role == "supernode":
+            return fm.by_id(view["supernode"])
+        return fm.by_id(next(a["node"] for a in view["plan"] if a["node"] != view["supernode"]))
 
-    first = victim()
-    entries = [d for d in fm.daemons if d is not first and d is not fm.daemons[-1]] + [fm.daemons[-1]]
-    entries = [d for d in entries if d is not first][:3]
+    first = victim("supernode")
+    entries = [d for d in fm.daemons if d is not first]
 
     def faults() -> None:
         first.stop()
         time.sleep(6.0)
         first.cont()
-        second = victim()
+        second = victim("stage")
         fm.downed.append(second.host)
         second.host.link_down()
         time.sleep(5.0)
