@@ -75,6 +75,9 @@ class Config:
     # KV cache positions (summed over sessions, prompt + max_tokens each) the
     # supernode admits before answering 503; None: a quarter of the memory budget.
     kv_budget_tokens: int | None = None
+    # Finished sessions whose KV stays on the stages for a new request that starts
+    # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
+    prefix_cache_entries: int = 32
     log_level: str = "info"
     # HTTP API keys (one per line): when set, completions and models need
     # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,

@@ -140,7 +140,7 @@ class Pipeline:
     async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:
         engine = self._head_engine()
         tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
-        segments = [Segment(s.id, start, rows) for s, start, rows in work]
+        segments = [Segment(s.kv, start, rows) for s, start, rows in work]
         hidden = await engine.embed(tokens)
         for a in plan.assignments:
             runner = plan.runners.get(a.node)
@@ -151,11 +151,16 @@ class Pipeline:
 
     async def release(self, session) -> None:
         """Free the session's KV caches on every stage of the plan it ran under."""
+        await self.drop([session.kv])
+
+    async def drop(self, keys: list[str]) -> None:
+        """Free these stage cache keys on every stage of the active plan."""
         plan = self._plan
-        if plan is None:
+        if plan is None or not keys:
             return
         for runner in plan.runners.values():
-            try:
-                await runner.drop(plan.term, session.id)
-            except PeerLost:
-                pass  # its caches went with it
+            for key in keys:
+                try:
+                    await runner.drop(plan.term, key)
+                except PeerLost:
+                    break  # its caches went with it

@@ -24,6 +24,7 @@ import torch
 
 from meshd.errors import KNOWN_ERRORS, NoCapacity
 from meshd.serving.pipeline import Pipeline
+from meshd.serving.prefix import PrefixCache
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
@@ -58,6 +59,12 @@ class Session:
     # reach a stage before that step's rows do.
     in_step: bool = False
     released: bool = False
+    # The key of its caches on the stages: its own id, or that of the finished
+    # session whose cached prefix it took over.
+    kv: str = ""
+
+    def __post_init__(self) -> None:
+        self.kv = self.kv or self.id
 
     @property
     def generated(self) -> list[int]:
@@ -89,7 +96,7 @@ class Lane:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None,
-                 on_finished: Callable[[], None] | None = None):
+                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.kv_budget_tokens = kv_budget_tokens
@@ -100,6 +107,8 @@ class Scheduler:
         self.tokens_generated = 0
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
+        self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
+        self._background: set[asyncio.Task] = set()
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -122,6 +131,7 @@ class Scheduler:
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
+                    s.term = None  # what its stages hold is unknown now: not for the prefix cache
                     self._finish(s, exc)
             finally:
                 for s in batch:
@@ -153,12 +163,32 @@ class Scheduler:
         return max(1, min(MAX_LANES, stages))
 
     def _admit(self, session: Session) -> None:
+        """Reserve the session's KV positions (prompt + max_tokens), taking over a cached
+        prefix of its tokens if there is one, evicting cached prefixes the request
+        needs room for; NoCapacity when running sessions alone leave too little."""
         need = session.prompt_len + session.params.max_tokens
-        if self.kv_budget_tokens is not None and self.reserved_tokens + need > self.kv_budget_tokens:
-            raise NoCapacity(
-                f"KV cache budget full: {self.reserved_tokens} of {self.kv_budget_tokens} positions in use, "
-                f"this request needs {need}; retry shortly"
-            )
+        hit = None
+        plan = self.pipeline.plan
+        if plan is not None and self.prefix.enabled:
+            self._drop_later(self.prefix.stale(plan.term))
+            hit = self.prefix.find(session.tokens, plan.term)
+        if self.kv_budget_tokens is not None:
+            if self.reserved_tokens + need > self.kv_budget_tokens:  # even with the cache emptied
+                raise NoCapacity(
+                    f"KV cache budget full: {self.reserved_tokens} of {self.kv_budget_tokens} positions in use, "
+                    f"this request needs {need}; retry shortly"
+                )
+            held = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
+            evicted = []
+            while self.reserved_tokens + self.prefix.tokens - held + need > self.kv_budget_tokens:
+                evicted.append(self.prefix.evict_one(keep=hit.key if hit is not None else None))
+            self._drop_later(evicted)
+        if hit is not None:
+            self.prefix.take(hit)
+            session.kv, session.cached, session.term = hit.key, hit.reuse, plan.term
+            log.info("prefix_cache_hit", reused=hit.reuse, tokens=len(session.tokens))
+        elif self.prefix.enabled:
+            self.prefix.miss()
         session.reserved = need
         self.reserved_tokens += need
         self.active[session.id] = session
@@ -167,9 +197,25 @@ class Scheduler:
         lane.wake.set()
 
     async def _release(self, session: Session) -> None:
-        if not session.released and not session.in_step:
-            session.released = True
-            await self.pipeline.release(session)
+        """Free the session's stage caches once no step holds it: keep them as a cached
+        prefix when they are whole under the active plan, else drop them."""
+        if session.released or session.in_step:
+            return
+        session.released = True
+        plan = self.pipeline.plan
+        if plan is not None and session.term == plan.term and session.cached > 0 and self.prefix.enabled:
+            drop = self.prefix.stale(plan.term)
+            drop += self.prefix.put(session.kv, session.tokens[:session.cached], plan.term)
+        else:
+            drop = [session.kv]
+        await self.pipeline.drop(drop)
+
+    def _drop_later(self, keys: list[str]) -> None:
+        """Drop stage caches from a synchronous path (admission) without waiting for it."""
+        if keys:
+            task = asyncio.get_running_loop().create_task(self.pipeline.drop(keys))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _finish(self, session: Session, error: BaseException | None) -> None:
         """Take the session out of its lane; its generator sees the end (or the error)."""

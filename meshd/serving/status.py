@@ -37,6 +37,7 @@ def build_status(node: Daemon) -> dict:
             "kv_reserved": scheduler.reserved_tokens,
             "kv_budget": scheduler.kv_budget_tokens,
             "replays": node.pipeline.replays,
+            "prefix_cache": scheduler.prefix.stats(),
         },
         **node.metrics.status_fields(),  # memory in use, tokens/s
     }
