@@ -1,9 +1,11 @@
-"""The prefix cache, in process, on real engines of the tiny model split in two stages
-behind the supernode's scheduler: a chat's turn 2 takes over turn 1's caches on both
-stages, computes only its new rows and answers what it answers without the cache; a
-stage lost while a cached prefix is in use replays and still answers the same; the
-cache gives its positions back when a request needs them, and a new plan's term
-invalidates it (its caches dropped on the stages)."""
+"""The prefix cache and the pipelined prefill, in process, on real engines of the tiny
+model split in two stages behind the supernode's scheduler: a chat's turn 2 takes over
+turn 1's caches on both stages, computes only its new rows and answers what it answers
+without the cache; a stage lost while a cached prefix is in use replays and still
+answers the same; the cache gives its positions back when a request needs them, and a
+new plan's term invalidates it (its caches dropped on the stages). A long prompt's
+chunks are in flight at both stages at once and give one engine's greedy tokens, also
+when a stage is lost in the middle of the prefill."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from meshd.serving.pipeline import Pipeline
 from meshd.serving.prefix import MIN_REUSE
 from meshd.serving.scheduler import Scheduler
 from protocol.messages import Assignment, NodeId
-from shards.engine import StageEngine
+from shards.engine import StageEngine, generate_greedy
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.span import Span
@@ -35,21 +37,28 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=REPLY)
 class Counting:
     """A stage that counts the rows it computes (and can lose its peer once)."""
 
-    def __init__(self, engine: StageEngine):
+    def __init__(self, engine: StageEngine, inflight: list[int] | None = None):
         self.inner = LocalRunner(engine)
         self.engine = engine
         self.rows = 0
-        self.fail_at: int | None = None  # the call that raises PeerLost
+        self.fail_at: int | None = None  # from this call on, PeerLost (the peer is gone)
         self.on_fail = None
         self.calls = 0
+        self.inflight = inflight if inflight is not None else [0, 0]  # [now, most], shared by the stages
 
     async def forward_batch(self, term, segments, hidden):
         self.calls += 1
-        if self.calls == self.fail_at:
-            self.on_fail()
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            if self.calls == self.fail_at:
+                self.on_fail()
             raise PeerLost("b: socket closed")
         self.rows += hidden.shape[0]
-        return await self.inner.forward_batch(term, segments, hidden)
+        self.inflight[0] += 1
+        self.inflight[1] = max(self.inflight[1], self.inflight[0])
+        try:
+            return await self.inner.forward_batch(term, segments, hidden)
+        finally:
+            self.inflight[0] -= 1
 
     async def drop(self, term, session):
         await self.inner.drop(term, session)
@@ -71,7 +80,7 @@ async def mesh(tiny_model_dir):
     async def make(entries: int = 32) -> tuple[Scheduler, Counting, Counting]:
         head = await asyncio.to_thread(load, None, True, True)
         a = Counting(await asyncio.to_thread(load, Span(0, SPLIT)))
-        b = Counting(await asyncio.to_thread(load, Span(SPLIT, n)))
+        b = Counting(await asyncio.to_thread(load, Span(SPLIT, n)), a.inflight)
         pipeline = Pipeline(lambda: head, wait_s=10)
         await pipeline.serve(1, (Assignment(NodeId("a"), Span(0, SPLIT)), Assignment(NodeId("b"), Span(SPLIT, n))),
                              {"a": a, "b": b})
@@ -176,3 +185,55 @@ async def test_the_cache_gives_positions_back_and_a_new_term_invalidates_it(mesh
     await generate(sched, TURN1 + reply + TURN2_MORE)
     assert sched.prefix.stats()["hits"] == hits
     assert sched.prefix.stats()["entries"] == 1 and a.engine.sessions == b.engine.sessions == 1
+
+
+LONG = [(11 * i + 5) % 250 + 20 for i in range(300)]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 64 rows, so that the tiny model's 512 positions hold a prompt of several."""
+    import meshd.serving.pipeline as pipeline_mod
+    import meshd.serving.scheduler as scheduler_mod
+
+    monkeypatch.setattr(pipeline_mod, "PREFILL_CHUNK", 64)
+    monkeypatch.setattr(scheduler_mod, "PREFILL_CHUNK", 64)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_model_dir) -> list[int]:
+    whole = StageEngine.load(tiny_model_dir, Span(0, Manifest.load(tiny_model_dir).n_layers), True, True,
+                             "cpu", "float32")
+    try:
+        return whole.run_sync(lambda: generate_greedy(whole, LONG, REPLY))
+    finally:
+        whole.close()
+
+
+async def test_a_long_prompts_chunks_are_at_both_stages_at_once_and_answer_the_same(mesh, small_chunks,
+                                                                                      long_reference):
+    sched, a, b = await mesh(entries=0)
+    got = await generate(sched, LONG)
+    assert got == long_reference[:len(got)] and len(got) >= 4, (got, long_reference)
+    assert a.inflight[1] == 2, "no chunk of the prompt was at stage b while another was at stage a"
+    # The prompt (all but its last token) went through as chunks, not in the lane's steps.
+    assert sum(lane.steps for lane in sched.lanes) == len(got)
+
+
+async def test_a_stage_lost_mid_prefill_replays_through_the_same_path(mesh, small_chunks, long_reference,
+                                                                      tiny_model_dir):
+    sched, a, b = await mesh(entries=0)
+    pipeline = sched.pipeline
+    c = Counting(await asyncio.to_thread(StageEngine.load, tiny_model_dir, b.engine.span, False, False,
+                                         "cpu", "float32"), a.inflight)
+    assignments = (pipeline.plan.assignments[0], Assignment(NodeId("c"), b.engine.span))
+
+    def replan() -> None:
+        asyncio.get_running_loop().create_task(pipeline.serve(2, assignments, {"a": a, "c": c}))
+
+    b.fail_at, b.on_fail = 3, replan  # the third chunk at stage b
+    got = await generate(sched, LONG)
+    c.engine.close()
+    assert got == long_reference[:len(got)] and len(got) >= 4, (got, long_reference)
+    # The replay went through the new owner as chunks in flight at both stages too.
+    assert c.rows >= len(LONG) - 1 and a.inflight[1] == 2

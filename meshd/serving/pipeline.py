@@ -1,6 +1,11 @@
 """Runs one step of a session through the active plan: embed, every span in
 order (local call or a ForwardBatch over that peer's link), then the head.
 
+A prompt longer than a chunk, over a plan of several stages, is prefilled as a
+wavefront (``prefill``): chunk k+1 enters stage A as soon as chunk k has left it,
+so the chunks of one prompt are in flight at several stages at once and time to
+first token falls as stages are added. A replay after a peer loss is the same call.
+
 The retry loop here is one of the three places errors are caught: a step that
 loses a peer waits for the next plan and replays the session's history through
 it, so the caller only ever sees the right next-token logits or NoCapacity.
@@ -106,6 +111,7 @@ class Pipeline:
                     s.cached = 0
                 work.append((s, start, min(len(s.tokens) - start, PREFILL_CHUNK)))
             try:
+                work = await self._prefill_long(plan, work)
                 hidden = await self._run(plan, work)
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
@@ -137,6 +143,65 @@ class Pipeline:
                     out[s.id] = token
             return out
 
+    async def prefill(self, session) -> None:
+        """Bring the session's stage caches up to all of its tokens but the last (whose
+        logits a step computes), as a wavefront through the active plan; a no-op where
+        that is at most one chunk or the plan has one stage. PeerLost leaves the session
+        for a step to replay."""
+        plan = self._plan
+        if plan is None:
+            return
+        start = session.cached if session.term == plan.term else 0
+        work = await self._prefill_long(plan, [(session, start, len(session.tokens) - start)])
+        _, start, _ = work[0]
+        session.cached, session.term = start, plan.term
+
+    async def _prefill_long(self, plan: ActivePlan, work: list) -> list:
+        """The sessions of ``work`` with more than a chunk left, prefilled up to their
+        last token as wavefronts side by side; ``work`` with what they have left."""
+        if len(plan.assignments) < 2:
+            return work
+        long = [(s, start) for s, start, _ in work if len(s.tokens) - start > PREFILL_CHUNK]
+        if not long:
+            return work
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for s, start in long:
+                    tg.create_task(self._wavefront(plan, s, start, len(s.tokens) - 1))
+        except* Exception as group:
+            raise _one(group) from None
+        done = {s.id for s, _ in long}
+        return [(s, len(s.tokens) - 1, 1) if s.id in done else (s, start, rows) for s, start, rows in work]
+
+    async def _wavefront(self, plan: ActivePlan, s, start: int, end: int) -> None:
+        """Positions start..end-1 of one session through every stage, chunk k+1 at a
+        stage as soon as chunk k has left it (a stage sees one session's chunks in order)."""
+        engine = self._head_engine()
+        runners = []
+        for a in plan.assignments:
+            if (runner := plan.runners.get(a.node)) is None:
+                raise PeerLost(f"no link to {a.node}")
+            runners.append(runner)
+        chunks = [(a, min(a + PREFILL_CHUNK, end)) for a in range(start, end, PREFILL_CHUNK)]
+        left = [[asyncio.Event() for _ in runners] for _ in chunks]  # chunk i has left stage j
+
+        async def chunk(i: int, a: int, b: int) -> None:
+            hidden = await engine.embed(s.tokens[a:b])
+            for j, runner in enumerate(runners):
+                if i:
+                    await left[i - 1][j].wait()
+                hidden = await runner.forward_batch(plan.term, [Segment(s.kv, a, b - a)], hidden)
+                left[i][j].set()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, (a, b) in enumerate(chunks):
+                    tg.create_task(chunk(i, a, b))
+        except* Exception as group:
+            raise _one(group) from None
+        log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
+                 stages=len(runners))
+
     async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:
         engine = self._head_engine()
         tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
@@ -164,3 +229,13 @@ class Pipeline:
                     await runner.drop(plan.term, key)
                 except PeerLost:
                     break  # its caches went with it
+
+
+def _one(group: BaseExceptionGroup) -> BaseException:
+    """The error a plain step would have raised: a peer loss if there was one (the retry
+    loop replays on it), else the first."""
+    lost = group.subgroup(PeerLost)
+    error: BaseException = lost if lost is not None else group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

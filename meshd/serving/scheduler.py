@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from meshd.errors import KNOWN_ERRORS, NoCapacity
-from meshd.serving.pipeline import Pipeline
+from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost
+from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -192,9 +192,35 @@ class Scheduler:
         session.reserved = need
         self.reserved_tokens += need
         self.active[session.id] = session
+        if plan is not None and len(plan.assignments) > 1 and len(session.tokens) - session.cached > PREFILL_CHUNK:
+            self._spawn(self._prefill_then_enqueue(session))
+        else:
+            self._enqueue(session)
+
+    def _enqueue(self, session: Session) -> None:
         lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
         lane.sessions.append(session)
         lane.wake.set()
+
+    async def _prefill_then_enqueue(self, session: Session) -> None:
+        """A long prompt over several stages: its chunks in flight at every stage at once
+        (``Pipeline.prefill``), beside the lanes' steps rather than in one (which would hold
+        that lane's running streams for the whole prompt); then into a lane for its last
+        token and the decode."""
+        session.in_step = True
+        try:
+            await self.pipeline.prefill(session)
+        except PeerLost:
+            session.term = None  # a lane's step replays it under the next plan
+        except KNOWN_ERRORS as exc:
+            session.term = None
+            self._finish(session, exc)
+        finally:
+            session.in_step = False
+        if session.finished:
+            await self._release(session)
+        else:
+            self._enqueue(session)
 
     async def _release(self, session: Session) -> None:
         """Free the session's stage caches once no step holds it: keep them as a cached
@@ -213,9 +239,12 @@ class Scheduler:
     def _drop_later(self, keys: list[str]) -> None:
         """Drop stage caches from a synchronous path (admission) without waiting for it."""
         if keys:
-            task = asyncio.get_running_loop().create_task(self.pipeline.drop(keys))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self.pipeline.drop(keys))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _finish(self, session: Session, error: BaseException | None) -> None:
         """Take the session out of its lane; its generator sees the end (or the error)."""
