@@ -108,6 +108,8 @@ class Config:
             raise ConfigError("mesh: must be 1-63 characters")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads: must be at least 1")
+        if not 0 <= self.prefix_cache_entries <= 4096:
+            raise ConfigError("prefix_cache_entries: must be 0 (off) to 4096")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:
             raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -30,6 +30,11 @@ log = structlog.get_logger()
 # Prompt rows a session sends per step: bounds frame size, and keeps a long
 # prompt from stalling the streams decoding beside it (chunked prefill).
 PREFILL_CHUNK = 256
+# A pipelined prefill cuts a prompt into about this many chunks per stage, of at least
+# MIN_WAVE_CHUNK rows: with C chunks over S stages it takes (C + S - 1) chunk-times of
+# one stage instead of C * S.
+WAVE_CHUNKS_PER_STAGE = 4
+MIN_WAVE_CHUNK = 64
 MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
 
 
@@ -182,7 +187,10 @@ class Pipeline:
             if (runner := plan.runners.get(a.node)) is None:
                 raise PeerLost(f"no link to {a.node}")
             runners.append(runner)
-        chunks = [(a, min(a + PREFILL_CHUNK, end)) for a in range(start, end, PREFILL_CHUNK)]
+        # Enough chunks that the wavefront's fill and drain (one chunk per extra stage) is
+        # a small part of it, none so small that per-call costs dominate.
+        size = max(MIN_WAVE_CHUNK, min(PREFILL_CHUNK, -(-(end - start) // (WAVE_CHUNKS_PER_STAGE * len(runners)))))
+        chunks = [(a, min(a + size, end)) for a in range(start, end, size)]
         left = [[asyncio.Event() for _ in runners] for _ in chunks]  # chunk i has left stage j
 
         async def chunk(i: int, a: int, b: int) -> None:
