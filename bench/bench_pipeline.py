@@ -17,6 +17,8 @@ For each it measures, with the same client (OpenAI streaming API, greedy):
 - ``ttft_long``: time to first token of a ~``--long``-token prompt (each one new, so no cache helps)
 - ``chat1`` / ``chat2``: time to first token of turn 1 and turn 2 of a chat whose first
   user message holds ~``--long`` tokens (turn 2 repeats the history: a prefix cache pays here)
+- ``ttft_idle`` / ``ttft_busy``: time to first token of a short request alone, and while
+  ``--streams`` streams are decoding (target: busy <= 2x idle)
 
 and prints the table, the ratios against the issue's targets (2 peers >= 1.7x one peer at
 16 streams, long-prompt TTFT with 2 peers <= 0.65x, batch-1 decode >= 0.95x, chat turn 2
@@ -73,7 +75,8 @@ def long_text(tokens: int, tag: str) -> str:
 # -- the client (the same for meshd and llama-server) --------------------------------------
 
 
-async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool = False) -> dict:
+async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool = False,
+                 started: list[int] | None = None) -> dict:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = body | {"temperature": 0, "stream": True}
     t0 = time.monotonic()
@@ -88,6 +91,8 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool =
             for c in json.loads(line[6:]).get("choices", []):
                 piece = c.get("delta", {}).get("content") if chat else c.get("text")
                 n = len(c["token_ids"]) if "token_ids" in c else (1 if piece else 0)
+                if n and not stamps and started is not None:
+                    started[0] += 1
                 stamps += [time.monotonic()] * n
                 text.append(piece or "")
     if not stamps:
@@ -98,16 +103,17 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool =
 
 async def measure(url: str, args, round_no: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # A fresh connection per request: llama-server may close a kept-alive one under the client.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as http:
         await stream(http, url, {"prompt": "Warm up.", "max_tokens": 4})
         # agg16
         t0 = time.monotonic()
-        rs = await asyncio.gather(*(stream(http, url, {"prompt": PROMPTS[i % len(PROMPTS)] + f" ({round_no}.{i})",
+        rs = await asyncio.gather(*(stream(http, url, {"prompt": f"({round_no}.{i}) " + PROMPTS[i % len(PROMPTS)],
                                                         "max_tokens": args.tokens})
                                     for i in range(args.streams)))
         agg = sum(r["n"] for r in rs) / (max(r["last"] for r in rs) - t0)
         # decode1
-        r = await stream(http, url, {"prompt": PROMPTS[0], "max_tokens": args.tokens})
+        r = await stream(http, url, {"prompt": f"({round_no}) " + PROMPTS[0], "max_tokens": args.tokens})
         decode1 = (r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan")
         # ttft_long
         r = await stream(http, url, {"prompt": long_text(args.long, f"L{round_no}-{secrets.token_hex(3)}"),
@@ -119,7 +125,20 @@ async def measure(url: str, args, round_no: int) -> dict:
         r1 = await stream(http, url, {"messages": messages, "max_tokens": 16}, chat=True)
         messages += [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": "Say it shorter."}]
         r2 = await stream(http, url, {"messages": messages, "max_tokens": 4}, chat=True)
-    return {"agg16": agg, "decode1": decode1, "ttft_long": ttft_long, "chat1": r1["ttft"], "chat2": r2["ttft"]}
+        # TTFT of a new short request: idle, then with the streams all decoding (every prompt
+        # opens with its own tag, so that no prefix cache serves one from another)
+        idle = (await stream(http, url, {"prompt": f"(idle {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
+        started = [0]
+        running = [asyncio.create_task(stream(http, url, {"prompt": f"[{round_no}.{i}] " + PROMPTS[i % len(PROMPTS)],
+                                                          "max_tokens": 4 * args.tokens}, started=started))
+                   for i in range(args.streams)]
+        deadline = time.monotonic() + 300
+        while started[0] < args.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        busy = (await stream(http, url, {"prompt": f"(busy {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
+        await asyncio.gather(*running)
+    return {"agg16": agg, "decode1": decode1, "ttft_long": ttft_long, "chat1": r1["ttft"], "chat2": r2["ttft"],
+            "ttft_idle": idle, "ttft_busy": busy}
 
 
 def median_rows(rows: list[dict]) -> dict:
@@ -250,7 +269,8 @@ def report(results: dict[str, dict], args) -> None:
     cols = list(results)
     print(f"\n== figures (median of {args.rounds}; {args.streams} streams x {args.tokens} tokens; "
           f"long prompt ~{args.long} tokens)")
-    units = {"agg16": "tok/s", "decode1": "tok/s", "ttft_long": "s", "chat1": "s", "chat2": "s"}
+    units = {"agg16": "tok/s", "decode1": "tok/s", "ttft_long": "s", "chat1": "s", "chat2": "s", "ttft_idle": "s",
+             "ttft_busy": "s"}
     print(f"   {'figure':<12}" + "".join(f"{c:>14}" for c in cols))
     for key, unit in units.items():
         print(f"   {key + ' ' + unit:<12}" + "".join(f"{results[c][key]:>14.3f}" for c in cols))
@@ -266,6 +286,9 @@ def report(results: dict[str, dict], args) -> None:
             ratio = r["chat2"] / r["chat1"]
             print(f"   {r['name']} chat turn 2 / turn 1 TTFT: {ratio:.2f}x [<= 0.2x] {'ok' if ratio <= 0.2 else 'MISSED'}"
                   f"  (prefix cache {r.get('prefix_cache')})")
+            ratio = r["ttft_busy"] / r["ttft_idle"]
+            print(f"   {r['name']} TTFT with {args.streams} streams decoding / idle: {ratio:.2f}x [<= 2x] "
+                  f"{'ok' if ratio <= 2 else 'MISSED'}")
     for mine, theirs in (("meshd-1", "llama-1"), ("meshd-2", "llama-rpc-2")):
         if mine in results and theirs in results:
             a, b = results[mine], results[theirs]
@@ -306,7 +329,8 @@ def main() -> int:
         if r is not None:
             results[name] = r
             print(f"   plan {r['plan']}; " + ", ".join(f"{k} {r[k]:.3f}" for k in
-                                                      ("agg16", "decode1", "ttft_long", "chat1", "chat2"))
+                                                      ("agg16", "decode1", "ttft_long", "chat1", "chat2",
+                                                       "ttft_idle", "ttft_busy"))
                   + f" ({time.monotonic() - t0:.0f} s)", flush=True)
     print(f"   load average {os.getloadavg()[0]:.2f} at the end")
     report(results, args)
