@@ -167,6 +167,19 @@ def wait_http(url: str, ok, timeout: float, procs: list[subprocess.Popen], what:
     raise RuntimeError(f"{what}: not ready within {timeout:.0f} s")
 
 
+def stop(procs: list[subprocess.Popen], logs: list) -> None:
+    """End the processes this bench started (each by its own handle), then close their logs."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for log in logs:
+        log.close()
+
+
 def run_meshd(peers: int, args, workdir: Path) -> dict:
     secret = workdir / f"secret-{peers}"
     secret.write_text(secrets.token_hex(32))
@@ -204,15 +217,7 @@ def run_meshd(peers: int, args, workdir: Path) -> dict:
         return {"name": f"meshd-{peers}", "plan": plan, **median_rows(rows),
                 "prefix_cache": status["node"]["scheduler"].get("prefix_cache")}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
+        stop(procs, logs)
 
 
 # -- llama.cpp ----------------------------------------------------------------------------
@@ -252,14 +257,7 @@ def run_llama(rpc: bool, args, workdir: Path) -> dict | None:
         print(f"   {name}: {exc}", flush=True)
         return None
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
+        stop(list(reversed(procs)), logs)
 
 
 # -- the report -------------------------------------------------------------------------
