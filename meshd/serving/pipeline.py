@@ -57,6 +57,7 @@ class Pipeline:
         self._wait_s = wait_s
         self._unavailable = "no plan is active yet"
         self.replays = 0
+        self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
 
     @property
     def plan(self) -> ActivePlan | None:
@@ -77,6 +78,8 @@ class Pipeline:
             if plan is None:
                 self._unavailable = reason or "the mesh has no active plan"
             self._changed.notify_all()
+        if self.on_plan is not None:
+            self.on_plan(plan)
 
     async def _wait_plan(self, newer_than: int | None) -> ActivePlan:
         """The active plan, waiting (bounded) for one whose term is above ``newer_than``."""

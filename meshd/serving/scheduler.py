@@ -109,6 +109,7 @@ class Scheduler:
         self.max_batch = 0
         self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
         self._background: set[asyncio.Task] = set()
+        pipeline.on_plan = self._plan_changed
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -235,6 +236,10 @@ class Scheduler:
         else:
             drop = [session.kv]
         await self.pipeline.drop(drop)
+
+    def _plan_changed(self, plan) -> None:
+        """A new term invalidates the cached prefixes (a kept engine forgets them itself too)."""
+        self._drop_later(self.prefix.stale(plan.term if plan is not None else None))
 
     def _drop_later(self, keys: list[str]) -> None:
         """Drop stage caches from a synchronous path (admission) without waiting for it."""
