@@ -130,7 +130,7 @@ async def measure(url: str, args, round_no: int) -> dict:
         idle = (await stream(http, url, {"prompt": f"(idle {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
         started = [0]
         running = [asyncio.create_task(stream(http, url, {"prompt": f"[{round_no}.{i}] " + PROMPTS[i % len(PROMPTS)],
-                                                          "max_tokens": 4 * args.tokens}, started=started))
+                                                          "max_tokens": 2 * args.tokens}, started=started))
                    for i in range(args.streams)]
         deadline = time.monotonic() + 300
         while started[0] < args.streams and time.monotonic() < deadline:
