@@ -7,23 +7,27 @@ side's ShardsError) becomes a 4xx/5xx JSON body, and the daemon goes on serving.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
+import hashlib
 import hmac
 import json
 
 import structlog
 from aiohttp import web
 
+from meshd import __version__
 from meshd.control.transfer import AUTH_HEADER, check_files_token
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, Daemon
+from meshd.serving.metrics import CLIENT_GONE
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
+    Assembler,
+    ChoiceWriter,
     CompletionRequest,
-    choice_json,
     chunk_json,
     completion_id,
     error_json,
@@ -33,14 +37,15 @@ from meshd.serving.openai import (
 )
 from meshd.serving.proxy import proxy_completion
 from meshd.serving.scheduler import Usage
+from shards import grammar
 
 log = structlog.get_logger()
 
 KEEPALIVE_S = 1.0
 
 
-def error_response(message: str, status: int, param: str | None = None) -> web.Response:
-    return web.json_response(error_json(message, status, param), status=status)
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_json(message, status, param, code), status=status)
 
 
 @web.middleware
@@ -48,7 +53,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as exc:
-        return error_response(str(exc), exc.status, exc.param)
+        return error_response(str(exc), exc.status, exc.param, exc.code)
     except InvalidParams as exc:  # the model side's own check of sampling parameters
         return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
@@ -132,61 +137,85 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
         max_tokens_limit=node.config.max_tokens_limit,
     )
-    if req.stream:
-        return await _stream(request, node, req)
-    return await _whole(node, req)
+    if req.params.grammar is not None or req.params.logprobs is not None:
+        await asyncio.to_thread(grammar.grammar_tokenizer, tokenizer)  # built once (~1 s), off the loop
+    if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
+        raise NoCapacity(node.unavailable_reason())
+    # Every choice is admitted before any answer goes out: a full KV budget is a 503, not a
+    # 200 whose stream then says so.
+    sessions = []
+    try:
+        for i in range(req.choices):
+            sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume)))
+        if req.stream:
+            return await _stream(request, node, req, sessions, tokenizer)
+        return await _whole(node, req, sessions, tokenizer)
+    finally:
+        for s in sessions:
+            await node.scheduler.close(s)  # any that never got to stream
 
 
-def _choice_params(req: CompletionRequest, index: int):
-    if req.params.seed is None or index == 0:
-        return req.params
-    return dataclasses.replace(req.params, seed=req.params.seed + index)
+def fingerprint(model: str) -> str:
+    """system_fingerprint: which build and model made an answer (changes when either does)."""
+    return "fp_" + hashlib.sha256(f"meshd {__version__} {model}".encode()).hexdigest()[:12]
 
 
-async def _whole(node: Daemon, req: CompletionRequest) -> web.Response:
+def _token_text(tokenizer):
+    @functools.lru_cache(maxsize=4096)
+    def text(token: int) -> tuple[str, bytes]:
+        raw = grammar.token_bytes(tokenizer, token)
+        return raw.decode("utf-8", "replace"), raw
+    return text
+
+
+async def _choice_events(node: Daemon, req: CompletionRequest, index: int, session, usage: Usage, tokenizer):
+    """One choice's stream choices (see ChoiceWriter)."""
+    resumed = tokenizer.decode(list(req.resume)) if req.resume else ""
+    echo = req.prompt_texts[index // req.n] if req.echo and not req.resume else ""
+    writer = ChoiceWriter(req, index, _token_text(tokenizer), echo=echo, resumed_text=resumed)
+    async for chunk in node.metrics.observe(node.scheduler.stream(session, usage)):
+        choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+        if choice is not None:
+            yield choice
+
+
+def _prompt_tokens(req: CompletionRequest) -> int:
+    return sum(len(p) for p in req.prompts) * req.n
+
+
+async def _whole(node: Daemon, req: CompletionRequest, sessions: list, tokenizer) -> web.Response:
     cid = completion_id(req.chat)
     usage = Usage()
+    acc = Assembler(req.chat)
 
-    async def one(index: int) -> dict:
-        text, ids, finish = [], [], None
-        async for chunk in node.metrics.observe(node.scheduler.generate(
-            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
-        )):
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            finish = chunk.finish_reason or finish
-        return choice_json(req.chat, index, "".join(text), ids, finish)
+    async def one(index: int) -> None:
+        async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
+            acc.add({"choices": [choice]})
 
-    choices = await asyncio.gather(*(one(i) for i in range(req.n)))
-    return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
+    await asyncio.gather(*(one(i) for i in range(req.choices)))
+    return web.json_response(response_json(req, cid, acc.choices(), _prompt_tokens(req), usage.completion_tokens,
+                                           fingerprint(req.model)))
 
 
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) -> web.StreamResponse:
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, sessions: list,
+                  tokenizer) -> web.StreamResponse:
     cid = completion_id(req.chat)
-    # Fail before the 200 goes out when the mesh cannot serve at all.
-    if node.pipeline.plan is None:
-        raise NoCapacity(node.unavailable_reason())
+    fp = fingerprint(req.model)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     queue: asyncio.Queue[dict | None] = asyncio.Queue()
-
     usage = Usage()
 
     async def one(index: int) -> None:
-        first = True
         try:
-            async for chunk in node.metrics.observe(node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume)
-            )):
-                data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
-                await queue.put(data)
-                first = False
+            async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
+                await queue.put(chunk_json(req, cid, choice, fp))
         finally:
             await queue.put(None)
 
     async def write_events() -> None:
         finished = 0
-        while finished < req.n:
+        while finished < req.choices:
             try:
                 item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
             except TimeoutError:
@@ -199,7 +228,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) ->
             else:
                 await resp.write(sse(item))
         if req.include_usage:
-            final = response_json(req, cid, [], len(req.prompt_ids), usage.completion_tokens)
+            final = response_json(req, cid, [], _prompt_tokens(req), usage.completion_tokens, fp)
             final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
             await resp.write(sse(final))
 
@@ -208,7 +237,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) ->
     gone, failure = False, None
     try:
         async with asyncio.TaskGroup() as tg:
-            for i in range(req.n):
+            for i in range(req.choices):
                 tg.create_task(one(i))
             tg.create_task(write_events())
     except* ConnectionResetError:
@@ -216,6 +245,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest) ->
     except* KNOWN_ERRORS as group:
         failure = group.exceptions[0]
     if gone:  # an ordinary event, not a server error: nobody is left to tell
+        request[CLIENT_GONE] = True
         log.info("client_gone", path=request.path)
         return resp
     if failure is not None:

@@ -24,7 +24,8 @@ import torch
 
 from meshd.errors import KNOWN_ERRORS, NoCapacity
 from meshd.serving.pipeline import Pipeline
-from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
+from shards.grammar import Constraint
+from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
@@ -58,6 +59,8 @@ class Session:
     # reach a stage before that step's rows do.
     in_step: bool = False
     released: bool = False
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by position in ``generated``
+    streamed: bool = False
 
     @property
     def generated(self) -> list[int]:
@@ -71,6 +74,7 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
 
 
 @dataclass(slots=True)
@@ -183,6 +187,33 @@ class Scheduler:
 
     # -- one client's generation --------------------------------------------------------
 
+    def open(self, prompt_ids: list[int], params: SamplingParams, history: list[int] | None = None) -> Session:
+        """Admit one generation (NoCapacity when the KV budget is full, before any answer
+        went out); ``history`` resumes one whose first tokens were already produced (a
+        resubmission after a supernode loss). Stream it with ``stream``, or ``close`` it."""
+        assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
+        mask = None
+        if params.grammar is not None:
+            mask = Constraint(self.tokenizer, params.grammar)
+            mask.replay(history or ())
+        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
+                          self.tokenizer.eos_ids, sampler=Sampler(params, mask, self.tokenizer.eos_ids))
+        self._admit(session)
+        return session
+
+    async def close(self, session: Session) -> None:
+        """Give back a session that was opened but never streamed."""
+        if not session.streamed:
+            self._finish(session, None)
+            self._forget(session)
+            await self._release(session)
+
+    def _forget(self, session: Session) -> None:
+        if self.active.pop(session.id, None) is not None:
+            self.reserved_tokens -= session.reserved
+            if self.on_finished is not None:
+                self.on_finished()
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -190,20 +221,25 @@ class Scheduler:
         usage: Usage | None = None,
         history: list[int] | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Stream chunks for one choice. ``history`` resumes a generation whose
-        first tokens were already produced (a resubmission after a supernode loss)."""
-        assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
-        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
-                          self.tokenizer.eos_ids, sampler=Sampler(params))
+        """Stream chunks for one choice (``open`` then ``stream``)."""
+        session = self.open(prompt_ids, params, history)
+        async for chunk in self.stream(session, usage):
+            yield chunk
+
+    async def stream(self, session: Session, usage: Usage | None = None) -> AsyncIterator[Chunk]:
+        """The chunks of an opened session; it is given back when this ends, however it ends."""
+        assert self.tokenizer is not None
+        session.streamed = True
+        params = session.params
+        prompt_len = session.prompt_len
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
             decoder.push(tok)
         structlog.contextvars.bind_contextvars(session=session.id)
-        self._admit(session)
-        log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
+        log.info("session_started", prompt_tokens=prompt_len, max_tokens=params.max_tokens,
                  resumed=len(session.generated))
         t0 = time.monotonic()
-        pending, pending_ids, finish = "", [], "length"
+        pending, pending_ids, pending_lp, finish = "", [], [], "length"
         delivered = len(session.generated)
         try:
             if len(session.generated) >= params.max_tokens:
@@ -216,6 +252,8 @@ class Scheduler:
                     break
                 if isinstance(item, BaseException):
                     raise item
+                if delivered in session.logprobs:
+                    pending_lp.append(session.logprobs.pop(delivered))
                 delivered += 1
                 pending_ids.append(item)
                 pending += decoder.push(item)
@@ -226,19 +264,16 @@ class Scheduler:
                 hold = stop_holdback(pending, params.stop)
                 ready, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
                 if ready or pending_ids:
-                    yield Chunk(ready, tuple(pending_ids))
-                    pending_ids = []
+                    yield Chunk(ready, tuple(pending_ids), None, tuple(pending_lp))
+                    pending_ids, pending_lp = [], []
             if finish == "length":
                 pending += decoder.flush()
-            yield Chunk(pending, tuple(pending_ids), finish)
+            yield Chunk(pending, tuple(pending_ids), finish, tuple(pending_lp))
         finally:
             self._finish(session, None)
-            self.active.pop(session.id, None)
-            self.reserved_tokens -= session.reserved
-            if self.on_finished is not None:
-                self.on_finished()
+            self._forget(session)
             if usage is not None:
-                usage.prompt_tokens += len(prompt_ids)
+                usage.prompt_tokens += prompt_len
                 usage.completion_tokens += delivered
             await self._release(session)
             log.info("session_finished", tokens=delivered, finish=finish,
@@ -247,8 +282,13 @@ class Scheduler:
 
 
 def _pick(session: Session, logits: torch.Tensor) -> int:
-    """The session's next token from its logits (on the engine's thread)."""
-    return session.sampler.next(logits, len(session.generated))
+    """The session's next token from its logits (on the engine's thread): bias, penalties
+    and grammar mask applied, its log-probabilities kept where asked for."""
+    sampler, at = session.sampler, len(session.generated)
+    token = sampler.next(logits, at, session.tokens, session.prompt_len)
+    if sampler.last is not None:
+        session.logprobs[at] = sampler.last
+    return token
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
