@@ -11,6 +11,8 @@ import functools
 import hashlib
 import hmac
 import json
+import re
+import secrets
 
 import structlog
 from aiohttp import web
@@ -31,6 +33,7 @@ from meshd.serving.openai import (
     chunk_json,
     completion_id,
     error_json,
+    find_surrogate,
     parse_request,
     response_json,
     sse,
@@ -71,6 +74,58 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), 500)
 
 
+REQUEST_ID = "meshd_request_id"
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    """x-request-id: the client's (if it is a plain token) or a new one, on the answer and the logs."""
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _REQUEST_ID_OK.fullmatch(given) else "req_" + secrets.token_hex(12)
+    request[REQUEST_ID] = rid
+    with structlog.contextvars.bound_contextvars(request_id=rid):
+        return await handler(request)
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """On every answer, streamed ones too (their headers go out at prepare)."""
+    rid = request.get(REQUEST_ID)
+    if rid:
+        response.headers["X-Request-Id"] = rid
+    origin = _cors_origin(request)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        response.headers.add("Vary", "Origin")
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The Access-Control-Allow-Origin this request gets, or None."""
+    origin = request.headers.get("Origin")
+    if not origin:
+        return None
+    config = request.app[NODE].config
+    allowed = config.cors_mesh_origins if request.path.startswith("/v1/mesh/") else config.cors_origins
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler):
+    """CORS preflight (OPTIONS) answered before auth: browsers send it without credentials."""
+    if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
+        if _cors_origin(request) is None:
+            return error_response("this origin may not call this API (see cors_origins)", 403)
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                "Authorization, Content-Type"),
+            "Access-Control-Max-Age": "600"})
+    return await handler(request)
+
+
 def _bearer(request: web.Request) -> str | None:
     value = request.headers.get("Authorization", "")
     return value[7:].strip() if value.lower().startswith("bearer ") else None
@@ -93,7 +148,7 @@ async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
     /healthz, /status, /metrics and the dashboard stay open and read-only."""
     node = request.app[NODE]
-    if request.path.startswith("/v1/"):
+    if request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS:
         keys = node.api_keys
         if request.path.startswith("/v1/mesh/"):
             keys = node.control_keys or node.api_keys
@@ -257,11 +312,67 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
     return resp
 
 
+def _model_json(node: Daemon) -> dict:
+    manifest = node.store.manifest
+    context = manifest.config.max_position if manifest is not None else None
+    return {"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0,
+            "context_length": context, "max_model_len": context}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_json(request.app[NODE])]})
+
+
+async def model(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response(
-        {"object": "list", "data": [{"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0}]}
-    )
+    if request.match_info["model"] != node.model_name:
+        raise BadRequest(f"model {request.match_info['model']!r} is not served here", status=404, param="model")
+    return web.json_response(_model_json(node))
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health (what OpenAI-compatible servers answer for load balancers): 200 when this peer serves."""
+    node = request.app[NODE]
+    if node.serves() and not node.stopping:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": node.unavailable_reason()}, status=503)
+
+
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize {"prompt": TEXT} or {"messages": [...]} (vLLM's shape): the token ids the
+    model would see; POST /detokenize {"tokens": [...]}: their text. Run by the supernode."""
+    node = request.app[NODE]
+    body = await read_json(request)
+    if not node.view.is_supernode:
+        base = await node.supernode_base_url()
+        async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
+            return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+    parts = node.serving_parts()
+    if parts is None:
+        raise NoCapacity(node.unavailable_reason())
+    tokenizer, context = parts
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    bad = find_surrogate(body)
+    if bad is not None:
+        raise BadRequest(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode", param=bad)
+    if request.path == "/detokenize":
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
+            raise BadRequest("tokens must be a list of token ids of this model", param="tokens")
+        return web.json_response({"prompt": await asyncio.to_thread(tokenizer.decode, ids)})
+    if isinstance(body.get("prompt"), str):
+        special = body.get("add_special_tokens", True) is not False
+        ids = await asyncio.to_thread(tokenizer.encode, body["prompt"], special)
+    elif body.get("messages") is not None:
+        ids = parse_request({"messages": body["messages"]}, chat=True, model=node.model_name, tokenizer=tokenizer,
+                            context=1 << 62, max_tokens_limit=1).prompt_ids
+    else:
+        raise BadRequest("tokenize takes a prompt (a string) or messages", param="prompt")
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -291,7 +402,8 @@ def make_app(node: Daemon) -> web.Application:
     """The HTTP app of a peer: these routes, and the node's own (``/mesh/...``) added by it."""
     app = web.Application(client_max_size=node.config.max_body_bytes,
                           # outermost first: the count sees the status the client gets
-                          middlewares=[node.metrics.count_requests, auth_middleware, errors_middleware])
+                          middlewares=[node.metrics.count_requests, request_id_middleware, cors_middleware,
+                                       auth_middleware, errors_middleware])
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)
     dashboard.add_routes(app)
@@ -299,6 +411,11 @@ def make_app(node: Daemon) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/health", health)
+    for path in TOKENIZER_PATHS:
+        app.router.add_post(path, tokenize)
+    app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
     return app

@@ -262,7 +262,9 @@ def _tools(body: dict, template) -> ToolSpec | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise BadRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
-    return ToolSpec(tuple(clean), choice, name, parallel is not False, toolcalls.tool_format(template.source))
+    # A forced call is one call unless several are asked for outright: a small model let
+    # free after its call tends to call again until max_tokens.
+    return ToolSpec(tuple(clean), choice, name, parallel is True, toolcalls.tool_format(template.source))
 
 
 def _response_format(body: dict) -> str | None:

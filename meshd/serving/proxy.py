@@ -18,51 +18,11 @@ from aiohttp import web
 
 from meshd.errors import NoCapacity
 from meshd.serving.daemon import Upstream
-from meshd.serving.openai import (
-    DONE,
-    SSE_HEADERS,
-    choice_json,
-    completion_id,
-    completion_json,
-    error_json,
-    sse,
-    sse_events,
-)
+from meshd.serving.openai import DONE, SSE_HEADERS, Assembler, completion_id, error_json, sse, sse_events
 
 log = structlog.get_logger()
 
 MAX_RESUBMITS = 3
-
-
-class _Answer:
-    """What the client has been sent so far, per choice."""
-
-    def __init__(self, n: int):
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.text: list[list[str]] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.usage: dict | None = None
-        self.model: str | None = None
-
-    def add(self, data: dict, chat: bool) -> None:
-        self.model = data.get("model", self.model)
-        if data.get("usage"):
-            self.usage = data["usage"]
-        for choice in data.get("choices", []):
-            i = choice.get("index", 0)
-            if not 0 <= i < len(self.ids):
-                continue
-            self.ids[i].extend(choice.get("token_ids", []))
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            if piece:
-                self.text[i].append(piece)
-            if choice.get("finish_reason"):
-                self.finish[i] = choice["finish_reason"]
-
-    def whole(self, cid: str, chat: bool) -> dict:
-        choices = [choice_json(chat, i, "".join(text), ids, finish)
-                   for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish))]
-        return completion_json(chat, cid, self.model, choices, self.usage)
 
 
 async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool) -> web.StreamResponse:
@@ -72,21 +32,21 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if wants_stream else True
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     cid = completion_id(chat)
-    answer = _Answer(max(1, min(n, 8)))
+    answer = Assembler(chat)  # what the client has been sent so far, per choice
     resp: web.StreamResponse | None = None
     resubmits = 0
     while True:
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         if resubmits:
-            upstream_body["meshd_resume"] = answer.ids[0]
+            upstream_body["meshd_resume"] = answer.first_ids
         term = node.current_term()
         url = await node.supernode_base_url() + request.path
         # The supernode streams at least a keepalive each second; silence for
         # as long as the heartbeat allows means it is hung or cut off.
         silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
         try:
-            async with node.http.post(url, json=upstream_body, timeout=silence,
-                                      headers=node.mesh_auth(request.path)) as up:
+            headers = node.mesh_auth(request.path) | {"X-Request-Id": request.get("meshd_request_id", "")}
+            async with node.http.post(url, json=upstream_body, timeout=silence, headers=headers) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
                     payload = await up.read()
@@ -101,11 +61,11 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
                             await resp.write(sse(DONE))
                             await resp.write_eof()
                             return resp
-                        return web.json_response(answer.whole(cid, chat))
+                        return web.json_response(answer.whole(cid))
                     event = json.loads(data)
                     if "choices" in event or "usage" in event:
                         event["id"] = cid
-                        answer.add(event, chat)
+                        answer.add(event)
                     if wants_stream and (event.get("choices") or wants_usage or "error" in event):
                         resp = await _prepared(resp, request)
                         await resp.write(sse(event))
@@ -114,14 +74,14 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
             # The supernode went away mid-answer. One choice can be resumed from
             # its token history; several only if nothing was generated yet.
             resubmits += 1
-            started = any(answer.ids)
-            if resubmits > MAX_RESUBMITS or (n > 1 and started):
+            started = answer.started
+            if resubmits > MAX_RESUBMITS or ((n > 1 or len(answer.parts) > 1) and started):
                 log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits)
                 if resp is None:
                     raise NoCapacity(f"lost the supernode mid-request: {exc}") from None
                 await resp.write(sse(error_json(f"lost the supernode: {exc}", 503)))
                 break
-            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.ids[0]), attempt=resubmits)
+            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.first_ids), attempt=resubmits)
             await node.wait_new_term(term)
     resp = await _prepared(resp, request)
     await resp.write(sse(DONE))
