@@ -21,7 +21,7 @@ from meshd import __version__
 from meshd.control.transfer import AUTH_HEADER, check_files_token
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity
 from meshd.serving import dashboard
-from meshd.serving.daemon import NODE, Daemon
+from meshd.serving.daemon import NODE, REQUEST_ID, Daemon
 from meshd.serving.metrics import CLIENT_GONE
 from meshd.serving.openai import (
     DONE,
@@ -74,7 +74,6 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(exc), 500)
 
 
-REQUEST_ID = "meshd_request_id"
 _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 

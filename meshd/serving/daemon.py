@@ -63,3 +63,5 @@ class Daemon(Upstream, Protocol):
 
 
 NODE = web.AppKey("node", Daemon)
+# The request's id (x-request-id), set by the API's middleware, sent upstream by the proxy.
+REQUEST_ID = web.RequestKey("request_id", str)

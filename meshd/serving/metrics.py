@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # requests_total's status for a client that went away before its answer ended (nginx's 499).
 CLIENT_CLOSED = 499
-CLIENT_GONE = "meshd_client_gone"  # set on the request by a stream whose client hung up
+CLIENT_GONE = web.RequestKey("client_gone", bool)  # set by a stream whose client hung up
 
 from meshd.control.mesh import MeshView, PeerState
 

@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from meshd.errors import NoCapacity
-from meshd.serving.daemon import Upstream
+from meshd.serving.daemon import REQUEST_ID, Upstream
 from meshd.serving.openai import DONE, SSE_HEADERS, Assembler, completion_id, error_json, sse, sse_events
 
 log = structlog.get_logger()
@@ -45,7 +45,7 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
         # as long as the heartbeat allows means it is hung or cut off.
         silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
         try:
-            headers = node.mesh_auth(request.path) | {"X-Request-Id": request.get("meshd_request_id", "")}
+            headers = node.mesh_auth(request.path) | {"X-Request-Id": request.get(REQUEST_ID, "")}
             async with node.http.post(url, json=upstream_body, timeout=silence, headers=headers) as up:
                 if up.status != 200:
                     # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
