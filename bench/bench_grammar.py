@@ -5,7 +5,8 @@ plus the mask's own time per step (llguidance's compute + our bool tensor).
 One whole-model local stage of SmolLM2-135M (fp32, CPU) behind the real Scheduler and
 Pipeline, so the mask runs where it runs in the mesh: in ``_pick`` on the engine's thread,
 once per session per step. End-of-turn tokens are biased out (-100) in both arms, so
-every session runs exactly --tokens tokens; the schema keeps the JSON going that long.
+every free session runs exactly --tokens tokens; the schema (a list of log records) keeps most
+constrained ones going that long (one that closes its JSON early ends: tok/s counts tokens made).
 
     .venv/bin/python bench/bench_grammar.py                      # batch 1 and 16, 64 tokens, 2 rounds
     .venv/bin/python bench/bench_grammar.py --batches 1,16 --tokens 32 --rounds 1 --threads 2
@@ -76,7 +77,7 @@ async def one_run(sched: Scheduler, tok: MeshTokenizer, batch: int, tokens: int,
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(session(i) for i in range(batch)))
     dt = time.perf_counter() - t0
-    assert all(c == tokens for c in counts), counts
+    # A constrained answer may close its JSON (then only an end-of-turn is allowed) before --tokens.
     return sum(counts) / dt
 
 

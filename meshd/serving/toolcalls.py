@@ -93,9 +93,8 @@ def fallback_messages(messages: Sequence[Mapping], tools: Sequence[Mapping] | No
         out.append(m)
     if tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        system = ("You can call functions. Their signatures are within <tools></tools>:\n<tools>\n" + listing +
-                  "\n</tools>\nTo call one, answer with a JSON object inside tags:\n"
-                  f'{_OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n{_CLOSE}')
+        system = ("You may call these functions:\n<tools>\n" + listing + "\n</tools>\nTo call one, answer\n"
+                  f'{_OPEN}\n{{"name": <name>, "arguments": <object>}}\n{_CLOSE}')
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
         else:
