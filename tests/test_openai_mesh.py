@@ -26,22 +26,23 @@ def test_forced_tool_call_and_json_schema_through_a_stage_peer(tiny_mesh):
     client = openai.OpenAI(base_url=entry.url + "/v1", api_key="none", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     named = {"type": "function", "function": {"name": "wx"}}
+    # No max_tokens: the rest of the context; the grammar ends the answer after the call.
     r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=named,
-                                       temperature=0.9, seed=5, max_tokens=60, logprobs=True)
+                                       temperature=0.9, seed=5, logprobs=True)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "wx" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
 
     stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=named,
-                                            temperature=0.9, seed=5, max_tokens=60, stream=True)
+                                            temperature=0.9, seed=5, stream=True)
     args = "".join(d.function.arguments or "" for c in stream if c.choices for d in c.choices[0].delta.tool_calls or ())
     assert json.loads(args) == json.loads(call.function.arguments)  # same seed: the same call, streamed
 
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
     whole = client.chat.completions.create(model=model, messages=ASK, response_format=fmt, temperature=0.9,
-                                           seed=7, max_tokens=60)
+                                           seed=7)
     jsonschema.validate(json.loads(whole.choices[0].message.content), ANSWER_SCHEMA)
     stream = client.chat.completions.create(model=model, messages=ASK, response_format=fmt, temperature=0.9,
-                                            seed=7, max_tokens=60, stream=True)
+                                            seed=7, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
