@@ -455,14 +455,6 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def choice_json(chat: bool, index: int, text: str, token_ids: list[int], finish: str | None) -> dict:
-    """A whole choice of plain text (what a proxy answers from a stream it collected)."""
-    acc = Assembler(chat)
-    acc.add({"choices": [{"index": index, "delta": {"content": text}, "text": text, "token_ids": token_ids,
-                          "finish_reason": finish}]})
-    return acc.choices()[0]
-
-
 def response_json(req: CompletionRequest, cid: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
                   fingerprint: str | None = None) -> dict:
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
