@@ -88,6 +88,10 @@ class Config:
     # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
     prefix_cache_entries: int = 32
     log_level: str = "info"
+    # Browser origins allowed to call the API (CORS), "*" for any; none by default.
+    # /v1/mesh/* (control) answers only cors_mesh_origins, none by default.
+    cors_origins: tuple[str, ...] = ()
+    cors_mesh_origins: tuple[str, ...] = ()
     # HTTP API keys (one per line): when set, completions and models need
     # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,
     # or an API key when no control key file is set.

@@ -51,10 +51,11 @@ class SupernodeChanged(NoCapacity):
 class BadRequest(MeshError):
     """A client request that cannot be served as asked (HTTP 4xx)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code  # OpenAI's error code, where it has one (context_length_exceeded)
 
 
 class StorageFull(MeshError):

@@ -386,7 +386,7 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def supernode_post(self, path: str, body: object, authorization: str = "",
-                             timeout: aiohttp.ClientTimeout | None = None, client: str = ""):
+                             timeout: aiohttp.ClientTimeout | None = None, client: str = "", request_id: str = ""):
         """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
         tunnel), or on loopback when this peer is the supernode. Yields a response
         with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
@@ -398,13 +398,16 @@ class Node:
             headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
             if client:
                 headers |= {tunnel.TUNNEL_HEADER: self.local_token, tunnel.CLIENT_HEADER: client}
+            if request_id:
+                headers["X-Request-Id"] = request_id
             async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
                                       timeout=timeout) as up:
                 yield up
             return
         link = self.view.links[self.view.supernode]
         async with tunnel.call(link, "POST", path, data, authorization,
-                               sock_read=timeout.sock_read if timeout is not None else None, client=client) as up:
+                               sock_read=timeout.sock_read if timeout is not None else None, client=client,
+                               request_id=request_id) as up:
             yield up
 
     async def _tunneled_drain(self, body: bytes) -> tuple[int, bytes]:

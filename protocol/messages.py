@@ -211,6 +211,7 @@ class ApiRequest:
     body: bytes
     authorization: str = ""  # the client's Authorization header: the supernode checks its own keys
     client: str = ""  # who the entry peer serves this for (KV fairness counts per client)
+    request_id: str = ""  # the client's x-request-id, for the supernode's logs
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,10 +41,11 @@ async def pair(tiny_model_dir, tmp_path, **sup_flags):
             yield sup, entry
 
 
-async def stream(http: aiohttp.ClientSession, url: str, body: dict, on_event=None) -> list:
+async def stream(http: aiohttp.ClientSession, url: str, body: dict, on_event=None,
+                 path: str = "/v1/completions") -> list:
     """The events of a streamed completion, JSON-decoded except ``[DONE]``."""
     events = []
-    async with http.post(url + "/v1/completions", json=body | {"stream": True}) as resp:
+    async with http.post(url + path, json=body | {"stream": True}) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
             line = raw.decode().strip()
@@ -246,3 +247,33 @@ async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp
     assert len(token_ids(cut)) < n and token_ids(cut) == want[:len(token_ids(cut))]
     assert through[-1] == "[DONE]" and token_ids(through) == want, through[-3:]
     assert any(e.get("event") == "session_finished" and e.get("finish") == "cut" for e in logs)
+
+
+async def test_sampling_fields_and_a_grammar_survive_a_resubmit(tiny_model_dir, tmp_path):
+    """Penalties, bias, top-k/min-p and a json_schema mask under a seed: the stream resumed on
+    the next supernode is token for token what the first one answers whole."""
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 30},
+                                               "ok": {"type": "boolean"}},
+              "required": ["note", "ok"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Say something."}], "temperature": 0.9, "seed": 11,
+            "frequency_penalty": 0.8, "presence_penalty": 0.3, "repetition_penalty": 1.2, "top_k": 40,
+            "min_p": 0.02, "logit_bias": {"50": -100}, "max_tokens": 60,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            status, whole = await post(http, sup.url, body, path="/v1/chat/completions")
+            assert status == 200, whole
+            want = whole["choices"][0]["token_ids"]
+            assert len(want) > 8 and 50 not in want
+            json.loads(whole["choices"][0]["message"]["content"])
+
+            async def kill_after_a_few(events: list) -> None:
+                if len(token_ids(events)) >= 4 and not sup.task.cancelling():
+                    sup.task.cancel()
+
+            with capture_logs() as logs:
+                events = await stream(http, entry.url, body, on_event=kill_after_a_few, path="/v1/chat/completions")
+        with contextlib.suppress(asyncio.CancelledError):
+            await sup.task
+        assert [e for e in logs if e.get("event") == "proxy_resubmit"], "no resubmit happened"
+        assert token_ids(events) == want

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -74,3 +76,40 @@ def test_stop_helpers_match_brute_force(text, stops):
     assert find_stop(text, stops) == (min(starts) if starts else None)
     want = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
     assert stop_holdback(text, stops) == want
+
+
+# -- logit processors and logprobs ------------------------------------------------------------
+
+
+def test_logit_bias_bans_and_forces():
+    logits = torch.tensor([0.0, 5.0, 1.0, 0.5])
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias=((1, -100.0),))).next(logits) == 2
+    assert Sampler(SamplingParams(temperature=0.0, logit_bias=((3, 100.0),))).next(logits) == 3
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, 1.9, -1.0, 0.0])
+    history = [5, 0, 0]  # prompt [5]; generated twice token 0
+    # frequency: 2 x 0.1 pushes 0 under 1; presence once by 0.05 does not.
+    s = Sampler(SamplingParams(temperature=0.0, frequency_penalty=0.1))
+    assert s.next(logits, 0, history, 1) == 1
+    assert Sampler(SamplingParams(temperature=0.0, presence_penalty=0.05)).next(logits, 0, history, 1) == 0
+    # repetition (CTRL): a positive logit divided, a negative one multiplied, prompt tokens included.
+    x = Sampler(SamplingParams(repetition_penalty=2.0)).process(logits, [0, 2], 1)
+    assert x.tolist() == pytest.approx([1.0, 1.9, -2.0, 0.0])
+
+
+def test_top_k_and_min_p_truncate():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert set(_draw(SamplingParams(top_k=2, seed=3), logits, 400)) == {0, 1}
+    assert set(_draw(SamplingParams(min_p=0.6, seed=3), logits, 400)) == {0, 1}  # >= 0.6 x 0.4
+
+
+def test_logprobs_are_of_the_processed_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    s = Sampler(SamplingParams(temperature=0.0, logprobs=2))
+    assert s.next(logits) == 0
+    assert s.last.token == 0 and s.last.logprob == pytest.approx(math.log(0.5))
+    assert [t for t, _ in s.last.top] == [0, 1] and s.last.top[1][1] == pytest.approx(math.log(0.25))
+    s = Sampler(SamplingParams(temperature=0.0, logprobs=0, logit_bias=((0, -100.0),)))
+    assert s.next(logits) == 1 and s.last.top == () and s.last.logprob == pytest.approx(math.log(0.5), abs=1e-3)

@@ -92,14 +92,14 @@ class TunnelResponse:
 
 @contextlib.asynccontextmanager
 async def call(link: Link, method: str, path: str, body: bytes, authorization: str = "",
-               sock_read: float | None = None, client: str = "") -> AsyncIterator[TunnelResponse]:
+               sock_read: float | None = None, client: str = "", request_id: str = "") -> AsyncIterator[TunnelResponse]:
     req = link.next_req()
     queue: asyncio.Queue = asyncio.Queue()
     link.api_replies[req] = queue
     resp = TunnelResponse(link, req, queue, sock_read)
     try:
         try:
-            await link.send(ApiRequest(req, method, path, body, authorization, client))
+            await link.send(ApiRequest(req, method, path, body, authorization, client, request_id))
         except PeerLost as exc:
             raise aiohttp.ClientConnectionError(str(exc)) from None
         await resp.start()
@@ -158,6 +158,8 @@ class TunnelServer:
             headers["Authorization"] = msg.authorization
         if msg.client and len(msg.client) <= MAX_CLIENT and plain_header(msg.client):
             headers[CLIENT_HEADER] = msg.client
+        if msg.request_id and len(msg.request_id) <= MAX_CLIENT and plain_header(msg.request_id):
+            headers["X-Request-Id"] = msg.request_id
         status = 502
         try:
             async with self._http().post(self._own_url() + msg.path, data=msg.body, headers=headers, ssl=False,

@@ -8,34 +8,41 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
+import hashlib
 import hmac
+import re
+import secrets
 
 import structlog
 from aiohttp import web
 
+from meshd import __version__
+from meshd.control.tunnel import TUNNEL_HEADER
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull, SupernodeChanged
 from meshd.serving import dashboard
-from meshd.control.tunnel import TUNNEL_HEADER
-from meshd.serving.daemon import NODE, Daemon
+from meshd.serving.daemon import NODE, REQUEST_ID, Daemon
 from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
+from meshd.serving.metrics import CLIENT_GONE
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
     SUPERNODE_CHANGED,
+    Assembler,
+    ChoiceWriter,
     CompletionRequest,
-    choice_json,
     chunk_json,
     completion_id,
     error_json,
+    find_surrogate,
     parse_request,
     response_json,
     sse,
 )
 from meshd.serving.proxy import Handoff, proxy_completion
 from meshd.serving.scheduler import Usage
+from shards import grammar
 
 log = structlog.get_logger()
 
@@ -58,7 +65,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except BadRequest as exc:
-        return error_response(str(exc), exc.status, exc.param)
+        return error_response(str(exc), exc.status, exc.param, exc.code)
     except InvalidParams as exc:  # the model side's own check of sampling parameters
         return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
@@ -76,6 +83,57 @@ async def errors_middleware(request: web.Request, handler):
     except KNOWN_ERRORS as exc:
         log.warning("request_failed", path=request.path, error=str(exc))
         return error_response(str(exc), 500)
+
+
+_REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler):
+    """x-request-id: the client's (if it is a plain token) or a new one, on the answer and the logs."""
+    given = request.headers.get("X-Request-Id", "")
+    rid = given if _REQUEST_ID_OK.fullmatch(given) else "req_" + secrets.token_hex(12)
+    request[REQUEST_ID] = rid
+    with structlog.contextvars.bound_contextvars(request_id=rid):
+        return await handler(request)
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """On every answer, streamed ones too (their headers go out at prepare)."""
+    rid = request.get(REQUEST_ID)
+    if rid:
+        response.headers["X-Request-Id"] = rid
+    origin = _cors_origin(request)
+    if origin is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        response.headers.add("Vary", "Origin")
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    """The Access-Control-Allow-Origin this request gets, or None."""
+    origin = request.headers.get("Origin")
+    if not origin:
+        return None
+    config = request.app[NODE].config
+    allowed = config.cors_mesh_origins if request.path.startswith("/v1/mesh/") else config.cors_origins
+    if "*" in allowed:
+        return "*"
+    return origin if origin in allowed else None
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler):
+    """CORS preflight (OPTIONS) answered before auth: browsers send it without credentials."""
+    if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
+        if _cors_origin(request) is None:
+            return error_response("this origin may not call this API (see cors_origins)", 403)
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                "Authorization, Content-Type"),
+            "Access-Control-Max-Age": "600"})
+    return await handler(request)
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -111,7 +169,7 @@ async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
     /healthz, /status, /metrics and the dashboard stay open and read-only."""
     node = request.app[NODE]
-    if request.path.startswith("/v1/"):
+    if request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS:
         keys = node.api_keys
         if request.path.startswith("/v1/mesh/"):
             keys = node.control_keys or node.api_keys
@@ -162,9 +220,24 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         parse_request, body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
         max_tokens_limit=node.config.max_tokens_limit,
     ))
-    if req.stream:
-        return await _stream(request, node, req, body, client)
-    return await _whole(request, node, req, body, client)
+    if req.params.grammar is not None or req.params.logprobs is not None:
+        await asyncio.to_thread(grammar.grammar_tokenizer, tokenizer)  # built once (~1 s), off the loop
+    if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
+        raise NoCapacity(node.unavailable_reason())
+    # Every choice is admitted before any answer goes out: a full KV budget is a 503, not a
+    # 200 whose stream then says so.
+    cid = completion_id(req.chat)
+    sessions = []
+    try:
+        for i in range(req.choices):
+            sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume),
+                                                req.priority, client, cid))
+        if req.stream:
+            return await _stream(request, node, req, sessions, tokenizer, body, cid)
+        return await _whole(request, node, req, sessions, tokenizer, body, cid)
+    finally:
+        for s in sessions:
+            await node.scheduler.close(s)  # any that never got to stream
 
 
 @functools.cache
@@ -173,55 +246,66 @@ def _tokenize_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-tokenize")
 
 
-def _choice_params(req: CompletionRequest, index: int):
-    if req.params.seed is None or index == 0:
-        return req.params
-    return dataclasses.replace(req.params, seed=req.params.seed + index)
+def fingerprint(model: str) -> str:
+    """system_fingerprint: which build and model made an answer (changes when either does)."""
+    return "fp_" + hashlib.sha256(f"meshd {__version__} {model}".encode()).hexdigest()[:12]
 
 
 def _hands_on(request: web.Request, node: Daemon, req: CompletionRequest, failure: BaseException | None) -> bool:
     """Whether a request this supernode began goes on at the next one: it yielded
     (not stopping: then no next one is named until it is gone), one choice ran, and
     a client sent it here (an entry peer that forwarded it resubmits it itself)."""
-    return (isinstance(failure, SupernodeChanged) and req.n == 1 and not node.stopping
+    return (isinstance(failure, SupernodeChanged) and req.choices == 1 and not node.stopping
             and not _mesh_peer(request))
 
 
-async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, body: dict,
-                 client: str | None = None) -> web.StreamResponse:
-    cid = completion_id(req.chat)
-    usage = Usage()
-    texts: list[list[str]] = [[] for _ in range(req.n)]
-    ids: list[list[int]] = [[] for _ in range(req.n)]
+def _token_text(tokenizer):
+    @functools.lru_cache(maxsize=4096)
+    def text(token: int) -> tuple[str, bytes]:
+        raw = grammar.token_bytes(tokenizer, token)
+        return raw.decode("utf-8", "replace"), raw
+    return text
 
-    async def one(index: int) -> dict:
-        finish = None
-        async for chunk in node.metrics.observe(node.scheduler.generate(
-            req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
-            client=client, request=cid,
-        )):
-            texts[index].append(chunk.text)
-            ids[index].extend(chunk.token_ids)
-            finish = chunk.finish_reason or finish
-        return choice_json(req.chat, index, "".join(texts[index]), ids[index], finish)
+
+async def _choice_events(node: Daemon, req: CompletionRequest, index: int, session, usage: Usage, tokenizer):
+    """One choice's stream choices (see ChoiceWriter)."""
+    resumed = tokenizer.decode(list(req.resume)) if req.resume else ""
+    echo = req.prompt_texts[index // req.n] if req.echo and not req.resume else ""
+    writer = ChoiceWriter(req, index, _token_text(tokenizer), echo=echo, resumed_text=resumed)
+    async for chunk in node.metrics.observe(node.scheduler.stream(session, usage)):
+        choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+        if choice is not None:
+            yield choice
+
+
+def _prompt_tokens(req: CompletionRequest) -> int:
+    return sum(len(p) for p in req.prompts) * req.n
+
+
+async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, sessions: list, tokenizer,
+                 body: dict, cid: str) -> web.StreamResponse:
+    usage = Usage()
+    acc = Assembler(req.chat)
+
+    async def one(index: int) -> None:
+        async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
+            acc.add({"choices": [choice]})
 
     try:
-        choices = await asyncio.gather(*(one(i) for i in range(req.n)))
+        await asyncio.gather(*(one(i) for i in range(req.choices)))
     except SupernodeChanged as exc:
         if not _hands_on(request, node, req, exc):
             raise
-        log.info("session_handed_on", tokens=len(ids[0]), reason=str(exc))
-        return await proxy_completion(node, request, body, req.chat,
-                                      Handoff(cid, None, ids[0], "".join(texts[0])))
-    return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
+        ids, text = list(acc.first_ids), "".join(acc.parts[0]["text"]) if 0 in acc.parts else ""
+        log.info("session_handed_on", tokens=len(ids), reason=str(exc))
+        return await proxy_completion(node, request, body, req.chat, Handoff(cid, None, ids, text))
+    return web.json_response(response_json(req, cid, acc.choices(), _prompt_tokens(req), usage.completion_tokens,
+                                           fingerprint(req.model)))
 
 
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, body: dict,
-                  client: str | None = None) -> web.StreamResponse:
-    cid = completion_id(req.chat)
-    # Fail before the 200 goes out when the mesh cannot serve at all.
-    if node.pipeline.plan is None:
-        raise NoCapacity(node.unavailable_reason())
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, sessions: list,
+                  tokenizer, body: dict, cid: str) -> web.StreamResponse:
+    fp = fingerprint(req.model)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     queue: asyncio.Queue[tuple[dict, tuple[int, ...], str] | None] = asyncio.Queue()
@@ -230,21 +314,17 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, bo
     usage = Usage()
 
     async def one(index: int) -> None:
-        first = True
         try:
-            async for chunk in node.metrics.observe(node.scheduler.generate(
-                req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
-                client=client, request=cid,
-            )):
-                data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
-                await queue.put((data, chunk.token_ids if index == 0 else (), chunk.text if index == 0 else ""))
-                first = False
+            async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
+                text = (choice.get("delta") or {}).get("content") if req.chat else choice.get("text")
+                await queue.put((chunk_json(req, cid, choice, fp), choice["token_ids"] if index == 0 else (),
+                                 (text or "") if index == 0 else ""))
         finally:
             await queue.put(None)
 
     async def write_events() -> None:
         finished = 0
-        while finished < req.n:
+        while finished < req.choices:
             try:
                 item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
             except TimeoutError:
@@ -260,7 +340,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, bo
                 sent_ids.extend(ids)
                 sent_text.append(text)
         if req.include_usage:
-            final = response_json(req, cid, [], len(req.prompt_ids), usage.completion_tokens)
+            final = response_json(req, cid, [], _prompt_tokens(req), usage.completion_tokens, fp)
             final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
             await resp.write(sse(final))
 
@@ -269,7 +349,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, bo
     gone, failure = False, None
     try:
         async with asyncio.TaskGroup() as tg:
-            for i in range(req.n):
+            for i in range(req.choices):
                 tg.create_task(one(i))
             tg.create_task(write_events())
     except* ConnectionResetError:
@@ -277,6 +357,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, bo
     except* KNOWN_ERRORS as group:
         failure = group.exceptions[0]
     if gone:  # an ordinary event, not a server error: nobody is left to tell
+        request[CLIENT_GONE] = True
         log.info("client_gone", path=request.path)
         return resp
     if _hands_on(request, node, req, failure):
@@ -292,11 +373,67 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, bo
     return resp
 
 
+def _model_json(node: Daemon) -> dict:
+    manifest = node.store.manifest
+    context = manifest.config.max_position if manifest is not None else None
+    return {"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0,
+            "context_length": context, "max_model_len": context}
+
+
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_json(request.app[NODE])]})
+
+
+async def model(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    return web.json_response(
-        {"object": "list", "data": [{"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0}]}
-    )
+    if request.match_info["model"] != node.model_name:
+        raise BadRequest(f"model {request.match_info['model']!r} is not served here", status=404, param="model")
+    return web.json_response(_model_json(node))
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health (what OpenAI-compatible servers answer for load balancers): 200 when this peer serves."""
+    node = request.app[NODE]
+    if node.serves() and not node.stopping:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unavailable", "reason": node.unavailable_reason()}, status=503)
+
+
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize {"prompt": TEXT} or {"messages": [...]} (vLLM's shape): the token ids the
+    model would see; POST /detokenize {"tokens": [...]}: their text. Run by the supernode."""
+    node = request.app[NODE]
+    body = await read_json(request)
+    if not node.view.is_supernode:
+        base = await node.supernode_base_url()
+        async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
+            return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+    parts = node.serving_parts()
+    if parts is None:
+        raise NoCapacity(node.unavailable_reason())
+    tokenizer, context = parts
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    bad = find_surrogate(body)
+    if bad is not None:
+        raise BadRequest(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode", param=bad)
+    if request.path == "/detokenize":
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
+            raise BadRequest("tokens must be a list of token ids of this model", param="tokens")
+        return web.json_response({"prompt": await asyncio.to_thread(tokenizer.decode, ids)})
+    if isinstance(body.get("prompt"), str):
+        special = body.get("add_special_tokens", True) is not False
+        ids = await asyncio.to_thread(tokenizer.encode, body["prompt"], special)
+    elif body.get("messages") is not None:
+        ids = parse_request({"messages": body["messages"]}, chat=True, model=node.model_name, tokenizer=tokenizer,
+                            context=1 << 62, max_tokens_limit=1).prompt_ids
+    else:
+        raise BadRequest("tokenize takes a prompt (a string) or messages", param="prompt")
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -325,7 +462,8 @@ def make_app(node: Daemon) -> web.Application:
     """The HTTP app of a peer: these routes, and the node's own (``/mesh/...``) added by it."""
     app = web.Application(client_max_size=node.config.max_body_bytes,
                           # outermost first: the count sees the status the client gets
-                          middlewares=[node.metrics.count_requests, control_guard(_control_keys, _mesh_peer),
+                          middlewares=[node.metrics.count_requests, request_id_middleware, cors_middleware,
+                                       control_guard(_control_keys, _mesh_peer),
                                        auth_middleware, errors_middleware])
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)
@@ -334,6 +472,11 @@ def make_app(node: Daemon) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/health", health)
+    for path in TOKENIZER_PATHS:
+        app.router.add_post(path, tokenize)
+    app.on_response_prepare.append(_add_request_id)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
     return app

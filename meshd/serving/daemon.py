@@ -29,7 +29,8 @@ class Upstream(Protocol):
         """Who serves now (supernode, term, link): what a failed attempt waits to see change."""
 
     def supernode_post(self, path: str, body: object, authorization: str = "",
-                       timeout: aiohttp.ClientTimeout | None = None, client: str = "") -> AsyncContextManager:
+                       timeout: aiohttp.ClientTimeout | None = None, client: str = "",
+                       request_id: str = "") -> AsyncContextManager:
         """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
     async def wait_upstream_change(self, mark: tuple) -> None:
@@ -78,3 +79,5 @@ class Daemon(Upstream, Protocol):
 
 
 NODE = web.AppKey("node", Daemon)
+# The request's id (x-request-id), set by the API's middleware, sent upstream by the proxy.
+REQUEST_ID = web.RequestKey("request_id", str)

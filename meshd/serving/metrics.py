@@ -8,6 +8,7 @@ a collector, so it needs no hooks and is never stale.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import os
@@ -18,6 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# requests_total's status for a client that went away before its answer ended (nginx's 499).
+CLIENT_CLOSED = 499
+CLIENT_GONE = web.RequestKey("client_gone", bool)  # set by a stream whose client hung up
 
 from meshd.control.mesh import MeshView, PeerState
 from meshd.serving.batch import batch_families
@@ -140,10 +145,13 @@ class NodeMetrics:
         status = 500
         try:
             resp = await handler(request)
-            status = resp.status
+            status = CLIENT_CLOSED if request.get(CLIENT_GONE) else resp.status
             return resp
         except web.HTTPException as exc:
             status = exc.status
+            raise
+        except asyncio.CancelledError:  # the client hung up before its answer: not a server error
+            status = CLIENT_CLOSED
             raise
         finally:
             self.requests.labels(name, str(status)).inc()

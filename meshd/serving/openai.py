@@ -4,6 +4,7 @@ client sends, the JSON objects we send back, and their server-sent-event framing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -12,27 +13,84 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshd.errors import BadRequest, ModelError
+from meshd.serving import toolcalls
 from meshd.serving.scheduler import Priority
-from shards.sampling import SamplingParams
+from shards import grammar
+from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.tokenizer import MeshTokenizer
 
 MAX_CHOICES = 8
 MAX_STOPS = 4
+MAX_PROMPTS = 16  # prompts of one batched completion request
+MAX_OUTPUTS = 32  # prompts x n
+MAX_LOGPROBS_COMPLETIONS = 5
+MAX_TOOLS = 64
+
+# What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
+_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
+           "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
+           "meshd_resume", "meshd_priority"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+# Fields with no effect on the answer (who asks, caching hints), or accepted at their
+# no-op value only: anything else asks for something meshd does not do.
+_INERT_ANY = {"user", "safety_identifier", "prompt_cache_key"}
+_INERT_VALUES = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
+                 "metadata": ({},)}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """The tools of a chat request and what the model must do with them."""
+
+    tools: tuple[dict, ...]
+    choice: str  # none | auto | required | function
+    name: str | None = None  # the function tool_choice names
+    parallel: bool = True
+    fmt: str = toolcalls.HERMES
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     chat: bool
     model: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    prompts: tuple[tuple[int, ...], ...]  # one per prompt (a chat has one)
+    params: SamplingParams  # max_tokens: as asked, or the rest of the first prompt's context
     n: int
     stream: bool
     # meshd extension: tokens already generated (a resubmission after a supernode loss).
     resume: tuple[int, ...] = ()
     include_usage: bool = False
+    echo: bool = False
+    max_tokens_given: bool = True
+    context: int = 0
+    tools: ToolSpec | None = None
+    prompt_texts: tuple[str, ...] = ()  # completions: each prompt as text (for echo)
     # meshd extension: "batch" for a batch job's line, which interactive requests go ahead of.
     priority: Priority = Priority.INTERACTIVE
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return list(self.prompts[0])
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def params_for(self, choice: int) -> SamplingParams:
+        """Choice ``i`` is prompt ``i // n``'s ``(i % n)``-th sample (OpenAI's order); seeds
+        step per choice so the n samples differ and each is reproducible."""
+        prompt = self.prompts[choice // self.n]
+        changes: dict[str, Any] = {}
+        if not self.max_tokens_given:
+            changes["max_tokens"] = self.context - len(prompt)
+        if self.params.seed is not None and choice:
+            changes["seed"] = self.params.seed + choice
+        return dataclasses.replace(self.params, **changes) if changes else self.params
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return list(self.prompts[choice // self.n])
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
@@ -48,6 +106,15 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integ
     return value
 
 
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false", param=key)
+    return value
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -59,21 +126,226 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _chat_messages(body: dict) -> list[dict[str, str]]:
+def check_fields(body: dict, chat: bool) -> None:
+    """A 400 naming the first field meshd does not implement (null counts as absent)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for key, value in body.items():
+        if key in known or key in _INERT_ANY or value is None:
+            continue
+        if key in _INERT_VALUES and value in _INERT_VALUES[key]:
+            continue
+        what = "this value of " if key in _INERT_VALUES else ""
+        raise BadRequest(f"{what}{key} is not implemented by meshd", param=key)
+
+
+def find_surrogate(value: Any, path: str = "") -> str | None:
+    """Where a lone UTF-16 surrogate (a ``\\ud800`` escape that pairs with nothing) sits in
+    decoded JSON: no tokenizer can take it. Iterative (a deep body cannot recurse us out)."""
+    stack = [(path, value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
+            if any(isinstance(k, str) and find_surrogate(k) for k in v):
+                return where or "body"
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's text: a string, or content parts of which only text is taken."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            elif kind in ("image_url", "input_image", "input_audio", "file", "audio"):
+                raise BadRequest(f"{where}[{j}] is {kind}: this model takes text only", param="messages")
+            else:
+                raise BadRequest(f"{where}[{j}] must be a text part", param="messages")
+        return "".join(out)
+    raise BadRequest(f"{where} must be a string or a list of text parts", param="messages")
+
+
+def _chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages is required: a non-empty list of {role, content}", param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest(f"messages[{i}] needs a role of system, user or assistant", param="messages")
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"{where} needs a role of system, developer, user, assistant or tool", param="messages")
+        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal"} if role == "assistant" else set()) \
+            | ({"tool_call_id"} if role == "tool" else set())
+        for key, value in m.items():
+            if key not in allowed and value is not None:
+                raise BadRequest(f"{where}.{key} is not implemented by meshd", param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # the content-parts form: keep the text parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": m["role"], "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        if content is None and role == "assistant":
+            msg["content"] = None
+        else:
+            msg["content"] = _text_content(content, f"{where}.content")
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise BadRequest(f"{where}.tool_call_id must be a string", param="messages")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where} must be a list", param="messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", "{}"), str):
+            raise BadRequest(f"{where}[{j}] needs function.name and function.arguments (a JSON string)",
+                             param="messages")
+        try:
+            json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            raise BadRequest(f"{where}[{j}].function.arguments is not JSON", param="messages") from None
+        out.append({"id": str(c.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+    return out
+
+
+def _tools(body: dict, template) -> ToolSpec | None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} functions", param="tools")
+    clean = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise BadRequest(f"tools[{i}].type must be function (meshd runs no built-in tools)", param=f"tools[{i}].type")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"tools[{i}].function needs a name", param=f"tools[{i}].function")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                             param=f"tools[{i}].function.parameters")
+        entry = {"name": fn["name"], "description": fn.get("description") or "",
+                 "parameters": params or {"type": "object", "properties": {}}}
+        clean.append({"type": "function", "function": entry})
+    names = [t["function"]["name"] for t in clean]
+    name = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or fn.get("name") not in names:
+            raise BadRequest(f"tool_choice must name one of the tools: {names}", param="tool_choice")
+        choice, name = "function", fn["name"]
+    elif choice not in ("none", "auto", "required"):
+        raise BadRequest("tool_choice must be none, auto, required or {type: function, function: {name}}",
+                         param="tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    # A forced call is one call unless several are asked for outright: a small model let
+    # free after its call tends to call again until max_tokens.
+    return ToolSpec(tuple(clean), choice, name, parallel is True, toolcalls.tool_format(template.source))
+
+
+def _response_format(body: dict) -> str | None:
+    """The grammar a response_format asks for (None: free text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return grammar.json_schema_grammar({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise BadRequest("response_format.json_schema needs a name (and a schema)", param="response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise BadRequest("response_format.json_schema.schema must be an object", param="response_format.json_schema")
+        return grammar.json_schema_grammar(schema, "response_format")
+    raise BadRequest(f"response_format.type {kind!r} is not implemented: text, json_object or json_schema",
+                     param="response_format.type")
+
+
+def _prompts(body: dict, tokenizer: MeshTokenizer) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """A completion's prompts: a string, a list of strings, token ids, or lists of token ids."""
+    prompt = body.get("prompt")
+    need = "prompt is required: a string, a list of strings, a list of token ids or a list of such lists"
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest(need, param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
+    out, texts = [], []
+    for p in prompt:
+        if isinstance(p, str) and p:
+            out.append(tuple(tokenizer.encode_prompt(p)))  # with BOS where the model wants one
+            texts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if not all(0 <= t < tokenizer.vocab_size for t in p):
+                raise BadRequest(f"prompt token ids must be within [0, {tokenizer.vocab_size})", param="prompt")
+            out.append(tuple(p))
+            texts.append(tokenizer.decode(p, skip_special=True))
+        else:
+            raise BadRequest(need, param="prompt")
+    return tuple(out), tuple(texts)
+
+
+def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > 1024:
+        raise BadRequest("logit_bias must be an object of at most 1024 token ids", param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not key.isdigit() or not 0 <= int(key) < vocab:
+            raise BadRequest(f"logit_bias key {key!r} is not a token id of this model", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadRequest("logit_bias values must be numbers within [-100, 100]", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        top = body.get("top_logprobs")
+        if not _flag(body, "logprobs"):
+            if top not in (None, 0):
+                raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return int(_number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True))
+    if body.get("logprobs") is None:
+        return None
+    return int(_number(body, "logprobs", 0, 0, MAX_LOGPROBS_COMPLETIONS, integer=True))
 
 
 def parse_request(
@@ -81,110 +353,284 @@ def parse_request(
 ) -> CompletionRequest:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    asked = body.get("model", model)
-    if asked != model:
+    bad = find_surrogate(body)
+    if bad is not None:
+        raise BadRequest(f"{bad} holds a lone UTF-16 surrogate (\\ud800-\\udfff escape): not valid Unicode", param=bad)
+    check_fields(body, chat)
+    asked = body.get("model")
+    if asked is not None and asked != model:
         raise BadRequest(f"model {asked!r} is not served here; this mesh serves {model!r}", status=404, param="model")
-    if chat:  # the model's template writes BOS itself where it has one
+    stream = _flag(body, "stream")
+    tools = None
+    grammar_text = None
+    texts: tuple[str, ...] = ()
+    if chat:
+        messages = _chat_messages(body)
+        tools = _tools(body, tokenizer.template)
+        grammar_text = _response_format(body)
+        if tools is not None and grammar_text is not None and tools.choice != "none":
+            raise BadRequest("response_format with tools is not implemented: use one or the other",
+                             param="response_format")
+        if tools is not None and tools.choice in ("required", "function"):
+            chosen = [t for t in tools.tools if tools.choice == "required" or t["function"]["name"] == tools.name]
+            special = tokenizer.token_id(toolcalls._MISTRAL_TAG) if tools.fmt == toolcalls.MISTRAL else None
+            try:
+                grammar_text = toolcalls.call_grammar(tools.fmt, chosen, tools.parallel and tools.choice == "required",
+                                                      special)
+            except (ValueError, TypeError) as exc:
+                raise BadRequest(f"tools: a parameters schema is not usable: {exc}", param="tools") from None
+        if grammar_text is not None:
+            grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format")
         try:
-            prompt_ids = tokenizer.encode_chat(_chat_messages(body))
+            prompts = (tuple(_encode_chat(tokenizer, messages, tools)),)
         except ModelError as exc:  # the template refuses these messages (say, a system turn for Gemma)
             raise BadRequest(str(exc), param="messages") from None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("prompt is required: a non-empty string", param="prompt")
-        prompt_ids = tokenizer.encode_prompt(prompt)  # with BOS where the model wants one
-    default_max = min(16 if not chat else 256, max_tokens_limit)
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _number(body, key, default_max, 1, max_tokens_limit, integer=True)
+        prompts, texts = _prompts(body, tokenizer)
+        if body.get("suffix") not in (None, ""):
+            raise BadRequest("suffix is not implemented by meshd", param="suffix")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    if not chat and body.get("best_of") not in (None, n):
+        raise BadRequest("best_of is not implemented by meshd (only best_of = n)", param="best_of")
+    if len(prompts) * n > MAX_OUTPUTS:
+        raise BadRequest(f"prompts x n must be at most {MAX_OUTPUTS}", param="n")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    given = body.get(key) is not None
+    longest = max(len(p) for p in prompts)
+    where = "messages" if chat else "prompt"
+    if longest >= context:
+        raise BadRequest(f"this model's context is {context} tokens; the {where} has {longest}",
+                         param=where, code="context_length_exceeded")
+    max_tokens = _number(body, key, context - longest, 1, max(max_tokens_limit, context), integer=True)
+    if given and max_tokens > max_tokens_limit:
+        raise BadRequest(f"{key} must be <= {max_tokens_limit}, got {max_tokens}", param=key)
+    if longest + max_tokens > context:
+        raise BadRequest(
+            f"this model's context is {context} tokens; the {where} has {longest} and {key} asks {max_tokens} more",
+            param=key, code="context_length_exceeded")
     resume = body.get("meshd_resume") or []
     if not isinstance(resume, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in resume):
         raise BadRequest("meshd_resume must be a list of token ids", param="meshd_resume")
-    if len(prompt_ids) + max_tokens > context:
-        raise BadRequest(
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds the context window of {context}",
-            param="max_tokens",
-        )
+    if resume and (n != 1 or len(prompts) != 1):
+        raise BadRequest("meshd_resume needs one prompt and n = 1", param="meshd_resume")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("seed must be an integer", param="seed")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false", param="stream")
+    echo = not chat and _flag(body, "echo")
+    logprobs = _logprobs(body, chat)
+    if echo and logprobs is not None:
+        raise BadRequest("echo with logprobs (the prompt's own logprobs) is not implemented by meshd", param="echo")
     params = SamplingParams(
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
         seed=seed,
         max_tokens=max_tokens,
         stop=_stops(body),
+        top_k=max(0, int(_number(body, "top_k", 0, -1, tokenizer.vocab_size, integer=True))),  # -1: off (vLLM's)
+        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
+        logit_bias=_logit_bias(body, tokenizer.vocab_size),
+        logprobs=logprobs,
+        grammar=grammar_text,
     )
-    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-    if resume and n != 1:
-        raise BadRequest("meshd_resume needs n = 1", param="meshd_resume")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise BadRequest("stream_options must be an object with include_usage", param="stream_options")
     include_usage = bool(options.get("include_usage")) and stream
     priority = body.get("meshd_priority", "interactive")
     if priority not in ("interactive", "batch"):
         raise BadRequest('meshd_priority must be "interactive" or "batch"', param="meshd_priority")
-    return CompletionRequest(chat, model, prompt_ids, params, n, stream, tuple(resume), include_usage,
-                             Priority[priority.upper()])
+    return CompletionRequest(chat, model, prompts, params, n, stream, tuple(resume), include_usage, echo,
+                             given, context, tools, texts, Priority[priority.upper()])
+
+
+def _encode_chat(tokenizer: MeshTokenizer, messages: list[dict], tools: ToolSpec | None) -> list[int]:
+    """The chat's prompt through the model's own template; tools through it where it reads
+    them, else described by meshd in the fallback (Hermes) format."""
+    defs = list(tools.tools) if tools is not None else None
+    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if tokenizer.template.supports_tools or not (defs or has_tool_turns):
+        return tokenizer.encode_chat(messages, tools=defs)
+    plain = toolcalls.fallback_messages(messages, defs)
+    return tokenizer.encode_chat([{"role": m["role"], "content": m.get("content") or ""} for m in plain])
 
 
 def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def choice_json(chat: bool, index: int, text: str, token_ids: list[int], finish: str | None) -> dict:
-    if chat:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish,
-            "token_ids": token_ids,
-        }
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
-
-
-def response_json(req: CompletionRequest, cid: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def response_json(req: CompletionRequest, cid: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                  fingerprint: str | None = None) -> dict:
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
-    return completion_json(req.chat, cid, req.model, choices, usage)
+    return completion_json(req.chat, cid, req.model, choices, usage, fingerprint)
 
 
-def completion_json(chat: bool, cid: str, model: str | None, choices: list[dict], usage: dict | None) -> dict:
+def completion_json(chat: bool, cid: str, model: str | None, choices: list[dict], usage: dict | None,
+                    fingerprint: str | None = None) -> dict:
     return {
         "id": cid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": fingerprint,
         "choices": choices,
         "usage": usage,
     }
 
 
-def chunk_json(
-    req: CompletionRequest, cid: str, index: int, text: str | None, token_ids: list[int], finish: str | None,
-    *, first: bool = False,
-) -> dict:
-    if req.chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "token_ids": token_ids}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
-        kind = "text_completion"
-    return {"id": cid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice]}
+def chunk_json(req: CompletionRequest, cid: str, choice: dict, fingerprint: str | None = None) -> dict:
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    return {"id": cid, "object": kind, "created": int(time.time()), "model": req.model,
+            "system_fingerprint": fingerprint, "choices": [choice]}
 
 
 # The code of a 503 that an entry peer answers by asking the next supernode (this
 # one yielded or stops); a client that gets it (it came straight here) retries elsewhere.
 SUPERNODE_CHANGED = "supernode_changed"
+
+
+class ChoiceWriter:
+    """One choice's scheduler chunks as OpenAI stream choices: text (and echo), tool calls
+    parsed out of the text in the model's format, log-probabilities in OpenAI's shapes."""
+
+    def __init__(self, req: CompletionRequest, index: int, token_text, echo: str = "", resumed_text: str = ""):
+        self.req, self.index, self.token_text = req, index, token_text
+        tools = req.tools
+        self.parser = toolcalls.CallParser(tools.fmt) if tools is not None and tools.choice != "none" else None
+        if self.parser is not None and resumed_text:
+            self.parser.push(resumed_text)  # already sent before a resubmission: only the state matters
+        self.first = True
+        self.calls = 0
+        self.echo = echo
+        self.offset = 0  # completions' text_offset
+
+    def choice(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None) -> dict | None:
+        calls: list[toolcalls.ToolCall] = []
+        if self.parser is not None:
+            text, calls = self.parser.push(text)
+            if finish is not None:
+                rest, more = self.parser.end()
+                text, calls = text + rest, calls + more
+        if finish == "stop" and (calls or self.calls):
+            finish = "tool_calls"
+        if self.echo:
+            text, self.echo = self.echo + text, ""
+        lp = self._logprobs(logprobs) if self.req.params.logprobs is not None else None
+        if not (text or calls or token_ids or finish or self.first):
+            return None
+        if self.req.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+            if text:
+                delta["content"] = text
+            elif self.first:
+                delta["content"] = ""
+            if calls:
+                delta["tool_calls"] = [c.json(self.calls + k) for k, c in enumerate(calls)]
+            out = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                   "token_ids": list(token_ids)}
+        else:
+            out = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
+                   "token_ids": list(token_ids)}
+        self.first = False
+        self.calls += len(calls)
+        return out
+
+    def _logprobs(self, entries) -> dict:
+        if self.req.chat:
+            content = []
+            for e in entries:
+                tok, raw = self.token_text(e.token)
+                top = []
+                for t, v in e.top:
+                    s, b = self.token_text(t)
+                    top.append({"token": s, "logprob": v, "bytes": list(b)})
+                content.append({"token": tok, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            tok, _ = self.token_text(e.token)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({self.token_text(t)[0]: v for t, v in e.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(tok)
+        return out
+
+
+class Assembler:
+    """A whole answer put together from stream chunks (the supernode's own, or a proxied stream)."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.parts: dict[int, dict] = {}
+        self.usage: dict | None = None
+        self.model: str | None = None
+        self.fingerprint: str | None = None
+
+    def add(self, data: dict) -> None:
+        self.model = data.get("model", self.model)
+        self.fingerprint = data.get("system_fingerprint", self.fingerprint)
+        if data.get("usage"):
+            self.usage = data["usage"]
+        for choice in data.get("choices") or ():
+            i = choice.get("index", 0)
+            if not isinstance(i, int) or not 0 <= i < MAX_OUTPUTS:
+                continue
+            part = self.parts.setdefault(i, {"text": [], "ids": [], "calls": {}, "lp": None, "finish": None})
+            part["ids"].extend(choice.get("token_ids") or ())
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if self.chat else choice.get("text")
+            if piece:
+                part["text"].append(piece)
+            for call in delta.get("tool_calls") or ():
+                slot = part["calls"].setdefault(call.get("index", 0), {"id": "", "type": "function",
+                                                                      "function": {"name": "", "arguments": ""}})
+                slot["id"] = call.get("id") or slot["id"]
+                fn = call.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            lp = choice.get("logprobs")
+            if lp:
+                if part["lp"] is None:
+                    part["lp"] = {"content": [], "refusal": None} if self.chat else \
+                        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                for key, values in lp.items():
+                    if isinstance(values, list):
+                        part["lp"][key].extend(values)
+            if choice.get("finish_reason"):
+                part["finish"] = choice["finish_reason"]
+
+    @property
+    def first_ids(self) -> list[int]:
+        return self.parts[0]["ids"] if 0 in self.parts else []
+
+    @property
+    def started(self) -> bool:
+        return any(p["ids"] for p in self.parts.values())
+
+    def choices(self) -> list[dict]:
+        out = []
+        for i in sorted(self.parts):
+            p = self.parts[i]
+            text = "".join(p["text"])
+            if self.chat:
+                calls = [p["calls"][k] for k in sorted(p["calls"])]
+                message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None,
+                                           "refusal": None}
+                if calls:
+                    message["tool_calls"] = calls
+                out.append({"index": i, "message": message, "logprobs": p["lp"], "finish_reason": p["finish"],
+                            "token_ids": p["ids"]})
+            else:
+                out.append({"index": i, "text": text, "logprobs": p["lp"], "finish_reason": p["finish"],
+                            "token_ids": p["ids"]})
+        return out
+
+    def whole(self, cid: str) -> dict:
+        return completion_json(self.chat, cid, self.model, self.choices(), self.usage, self.fingerprint)
 
 
 def error_json(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

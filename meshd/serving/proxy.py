@@ -23,15 +23,14 @@ import structlog
 from aiohttp import web
 
 from meshd.errors import NoCapacity
-from meshd.serving.daemon import Upstream
+from meshd.serving.daemon import REQUEST_ID, Upstream
 from meshd.serving.guards import CLIENT_KEY
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SUPERNODE_CHANGED,
-    choice_json,
+    Assembler,
     completion_id,
-    completion_json,
     error_json,
     sse,
     sse_events,
@@ -40,47 +39,37 @@ from meshd.serving.openai import (
 log = structlog.get_logger()
 
 MAX_RESUBMITS = 4
-FINISHED = ("stop", "length")
+FINISHED = ("stop", "length", "tool_calls")
 
 
-class _Answer:
-    """What the client has been sent so far, per choice."""
+class _Answer(Assembler):
+    """What the client has been sent so far, per choice (and, of choice 0, the leading
+    tokens the client itself sent as meshd_resume, which are not answered back)."""
 
-    def __init__(self, n: int):
-        self.ids: list[list[int]] = [[] for _ in range(n)]
-        self.text: list[list[str]] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.usage: dict | None = None
-        self.model: str | None = None
-        self.resumed = 0  # leading ids of choice 0 the client sent (meshd_resume), not answered back
+    def __init__(self, chat: bool):
+        super().__init__(chat)
+        self.resumed = 0
 
-    def add(self, data: dict, chat: bool) -> None:
-        self.model = data.get("model", self.model)
-        if data.get("usage"):
-            self.usage = data["usage"]
-        for choice in data.get("choices", []):
-            i = choice.get("index", 0)
-            if not 0 <= i < len(self.ids):
-                continue
-            self.ids[i].extend(choice.get("token_ids", []))
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            if piece:
-                self.text[i].append(piece)
-            if choice.get("finish_reason"):
-                self.finish[i] = choice["finish_reason"]
+    def seed(self, ids: list[int], text: str = "") -> None:
+        """Choice 0 begins with these tokens (and text): already sent, or the client's own."""
+        part = self.parts.setdefault(0, {"text": [], "ids": [], "calls": {}, "lp": None, "finish": None})
+        part["ids"].extend(ids)
+        if text:
+            part["text"].append(text)
 
     @property
     def generated(self) -> bool:
-        return len(self.ids[0]) > self.resumed or any(self.ids[1:])
+        return len(self.first_ids) > self.resumed or any(p["ids"] for i, p in self.parts.items() if i)
 
     @property
     def finished(self) -> bool:
-        return all(f in FINISHED for f in self.finish)
+        return bool(self.parts) and all(p["finish"] in FINISHED for p in self.parts.values())
 
-    def whole(self, cid: str, chat: bool) -> dict:
-        choices = [choice_json(chat, i, "".join(text), ids[self.resumed if i == 0 else 0:], finish)
-                   for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish))]
-        return completion_json(chat, cid, self.model, choices, self.usage)
+    def whole(self, cid: str) -> dict:
+        answer = super().whole(cid)
+        if self.resumed and answer["choices"]:
+            answer["choices"][0]["token_ids"] = answer["choices"][0]["token_ids"][self.resumed:]
+        return answer
 
 
 @dataclass
@@ -150,19 +139,18 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
     client = _Client(request, body, handoff.resp if handoff else None)
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     cid = handoff.cid if handoff else completion_id(chat)
-    answer = _Answer(max(1, min(n, 8)))
+    answer = _Answer(chat)
     resume = body.get("meshd_resume")
     if n == 1 and isinstance(resume, list) and all(isinstance(t, int) for t in resume):
-        answer.ids[0].extend(resume)  # the supernode checks them; a resubmission starts after them
+        answer.seed(resume)  # the supernode checks them; a resubmission starts after them
         answer.resumed = len(resume)
     if handoff is not None:
-        answer.ids[0].extend(handoff.ids)
-        answer.text[0].append(handoff.text)
+        answer.seed(handoff.ids, handoff.text)
     resubmits = 0
     while True:
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
-        if answer.ids[0]:
-            upstream_body["meshd_resume"] = answer.ids[0]
+        if answer.first_ids:
+            upstream_body["meshd_resume"] = list(answer.first_ids)
         mark = node.upstream_mark()
         try:
             refused = await _relay(node, upstream_body, answer, chat, cid, client)
@@ -173,26 +161,26 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
             if not answer.finished:
                 raise _Retry("the supernode ended the answer without a finish reason", moved=False)
             if not client.stream:
-                return web.json_response(answer.whole(cid, chat))
+                return web.json_response(answer.whole(cid))
             return await client.end()
         except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             # The supernode went away, yielded or stops mid-answer. One choice can be
             # resumed from its token history; several only if nothing was generated yet.
             resubmits += 1
             why = f"the supernode could not finish the request: {exc or type(exc).__name__}"
-            if resubmits > MAX_RESUBMITS or (n > 1 and answer.generated):
-                log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits, tokens_so_far=len(answer.ids[0]))
+            if resubmits > MAX_RESUBMITS or ((n > 1 or len(answer.parts) > 1) and answer.generated):
+                log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits, tokens_so_far=len(answer.first_ids))
                 if client.resp is None:
                     raise NoCapacity(why) from None
                 return await client.end(error_json(why, 503))
-            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.ids[0]), attempt=resubmits)
+            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.first_ids), attempt=resubmits)
             try:
                 if not isinstance(exc, _Retry) or exc.moved:
                     await node.wait_upstream_change(mark)
                 else:  # the same supernode, once it had a moment (a re-plan under way)
                     await asyncio.sleep(node.config.heartbeat_s)
             except NoCapacity as gone:
-                log.warning("proxy_gave_up", error=str(gone), resubmits=resubmits, tokens_so_far=len(answer.ids[0]))
+                log.warning("proxy_gave_up", error=str(gone), resubmits=resubmits, tokens_so_far=len(answer.first_ids))
                 if client.resp is None:
                     raise
                 return await client.end(error_json(f"{why}; {gone}", 503))
@@ -213,7 +201,7 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
     # Over the sealed link (the client's own key goes along: the supernode's keys apply).
     request = client.request
     async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""), silence,
-                                   client=request.get(CLIENT_KEY, "")) as up:
+                                   client=request.get(CLIENT_KEY, ""), request_id=request.get(REQUEST_ID, "")) as up:
         if up.status != 200:
             payload = await up.read()
             try:
@@ -237,7 +225,7 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
                 return _Refused(503 if code == "mesh_unavailable" else 500, json.dumps(event).encode())
             if "choices" in event or "usage" in event:
                 event["id"] = cid
-                answer.add(event, chat)
+                answer.add(event)
             if client.stream and (event.get("choices") or client.usage):
                 resp = await client.prepared()
                 await resp.write(sse(event))

@@ -26,7 +26,8 @@ import torch
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
-from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
+from shards.grammar import Constraint
+from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
@@ -88,6 +89,8 @@ class Session:
     # The key of its caches on the stages: its own id, or that of the finished
     # session whose cached prefix it took over.
     kv: str = ""
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by position in ``generated``
+    streamed: bool = False
 
     def __post_init__(self) -> None:
         self.kv = self.kv or self.id
@@ -104,6 +107,7 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
 
 
 @dataclass(slots=True)
@@ -338,6 +342,51 @@ class Scheduler:
 
     # -- one client's generation --------------------------------------------------------
 
+    def open(self, prompt_ids: list[int], params: SamplingParams, history: list[int] | None = None,
+             priority: Priority = Priority.INTERACTIVE, client: str | None = None, request: object = None) -> Session:
+        """Admit one generation (NoCapacity when the KV budget is full, before any answer
+        went out); ``history`` resumes one whose first tokens were already produced (a
+        resubmission after a supernode loss). Stream it with ``stream``, or ``close`` it."""
+        assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
+        mask = None
+        if params.grammar is not None:
+            mask = Constraint(self.tokenizer, params.grammar)
+            mask.replay(history or ())
+        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
+                          self.tokenizer.eos_ids, sampler=Sampler(params, mask, self.tokenizer.eos_ids),
+                          priority=priority,
+                          # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
+                          client=client if priority is Priority.INTERACTIVE else None,
+                          request=request if request is not None else object())
+        self._admit(session)
+        return session
+
+    async def close(self, session: Session) -> None:
+        """Give back a session that was opened but never streamed."""
+        if not session.streamed:
+            self._finish(session, None)
+            self._forget(session)
+            await self._release(session)
+
+    def _forget(self, session: Session) -> None:
+        """Give its KV reservation back (once)."""
+        if self.active.pop(session.id, None) is None:
+            return
+        if session.priority is Priority.BATCH:
+            self.batch_reserved -= session.reserved
+        else:
+            self.interactive -= 1
+        self.reserved_tokens -= session.reserved
+        if session.client is not None and session.reserved:
+            for key in (session.client, ("request", session.request)):
+                left = self.reserved_by.get(key, 0) - session.reserved
+                if left > 0:
+                    self.reserved_by[key] = left
+                else:
+                    self.reserved_by.pop(key, None)
+        if self.on_finished is not None:
+            self.on_finished()
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -348,23 +397,26 @@ class Scheduler:
         client: str | None = None,
         request: object = None,
     ) -> AsyncIterator[Chunk]:
-        """Stream chunks for one choice. ``history`` resumes a generation whose
-        first tokens were already produced (a resubmission after a supernode loss)."""
-        assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
-        session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
-                          self.tokenizer.eos_ids, sampler=Sampler(params), priority=priority,
-                          # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
-                          client=client if priority is Priority.INTERACTIVE else None,
-                          request=request if request is not None else object())
+        """Stream chunks for one choice (``open`` then ``stream``)."""
+        session = self.open(prompt_ids, params, history, priority, client, request)
+        async for chunk in self.stream(session, usage):
+            yield chunk
+
+    async def stream(self, session: Session, usage: Usage | None = None) -> AsyncIterator[Chunk]:
+        """The chunks of an opened session; it is given back when this ends, however it ends."""
+        assert self.tokenizer is not None
+        session.streamed = True
+        params = session.params
+        prompt_len = session.prompt_len
         decoder = self.tokenizer.stream_decoder()
         for tok in session.generated:
             decoder.push(tok)
         structlog.contextvars.bind_contextvars(session=session.id)
-        self._admit(session)
-        log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
-                 resumed=len(session.generated), priority=priority.name.lower())
+        log.info("session_started", prompt_tokens=prompt_len, max_tokens=params.max_tokens,
+                 resumed=len(session.generated), priority=session.priority.name.lower())
         t0 = time.monotonic()
-        pending, pending_ids, finish = "", [], None  # None to the end: cut (an error, a shutdown, a client gone)
+        # finish stays None to the end when the answer is cut (an error, a shutdown, a client gone)
+        pending, pending_ids, pending_lp, finish = "", [], [], None
         delivered = len(session.generated)
         try:
             if len(session.generated) >= params.max_tokens:
@@ -377,6 +429,8 @@ class Scheduler:
                     break
                 if isinstance(item, BaseException):
                     raise item
+                if delivered in session.logprobs:
+                    pending_lp.append(session.logprobs.pop(delivered))
                 delivered += 1
                 pending_ids.append(item)
                 pending += decoder.push(item)
@@ -387,30 +441,16 @@ class Scheduler:
                 hold = stop_holdback(pending, params.stop)
                 ready, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
                 if ready or pending_ids:
-                    yield Chunk(ready, tuple(pending_ids))
-                    pending_ids = []
+                    yield Chunk(ready, tuple(pending_ids), None, tuple(pending_lp))
+                    pending_ids, pending_lp = [], []
             if finish == "length":
                 pending += decoder.flush()
-            yield Chunk(pending, tuple(pending_ids), finish)
+            yield Chunk(pending, tuple(pending_ids), finish, tuple(pending_lp))
         finally:
             self._finish(session, None)
-            if self.active.pop(session.id, None) is not None:
-                if session.priority is Priority.BATCH:
-                    self.batch_reserved -= session.reserved
-                else:
-                    self.interactive -= 1
-            self.reserved_tokens -= session.reserved
-            if session.client is not None and session.reserved:
-                for key in (session.client, ("request", session.request)):
-                    left = self.reserved_by.get(key, 0) - session.reserved
-                    if left > 0:
-                        self.reserved_by[key] = left
-                    else:
-                        self.reserved_by.pop(key, None)
-            if self.on_finished is not None:
-                self.on_finished()
+            self._forget(session)
             if usage is not None:
-                usage.prompt_tokens += len(prompt_ids)
+                usage.prompt_tokens += prompt_len
                 usage.completion_tokens += delivered
             await self._release(session)
             log.info("session_finished", tokens=delivered, finish=finish or "cut",
@@ -419,8 +459,13 @@ class Scheduler:
 
 
 def _pick(session: Session, logits: torch.Tensor) -> int:
-    """The session's next token from its logits (on the engine's thread)."""
-    return session.sampler.next(logits, len(session.generated))
+    """The session's next token from its logits (on the engine's thread): bias, penalties
+    and grammar mask applied, its log-probabilities kept where asked for."""
+    sampler, at = session.sampler, len(session.generated)
+    token = sampler.next(logits, at, session.tokens, session.prompt_len)
+    if sampler.last is not None:
+        session.logprobs[at] = sampler.last
+    return token
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

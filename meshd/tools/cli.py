@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
                      help="local address to run mDNS on (repeatable; default: real interfaces)")
     run.add_argument("--no-mdns", dest="mdns", action="store_const", const=False, help="no mDNS; static peers only")
     run.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="static peer (repeatable)")
+    run.add_argument("--cors-origin", dest="cors_origins", action="append", default=[], metavar="ORIGIN",
+                     help="a browser origin allowed to call the API, or * for any (repeatable; default none)")
     run.add_argument("--advertise-vram", type=int, metavar="BYTES", help="VRAM to advertise instead of the detected")
     run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
     run.add_argument("--prefix-cache-entries", type=int, metavar="N",
@@ -123,6 +125,10 @@ def _flags(args: argparse.Namespace) -> dict:
     out = {k: v for k, v in vars(args).items() if k not in skip}
     out["mdns_interface"] = tuple(out.pop("mdns_interface", []) or ())
     out["peer"] = tuple(out.get("peer") or ())
+    if not out.get("cors_origins"):
+        out.pop("cors_origins", None)  # unset: the config file or environment decides
+    else:
+        out["cors_origins"] = tuple(out["cors_origins"])
     return out
 
 
