@@ -104,6 +104,12 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
                             return resp
                         return web.json_response(answer.whole(cid, chat))
                     event = json.loads(data)
+                    if "error" in event and resp is None:
+                        # Refused or failed after the supernode's 200 (it admits a stream's
+                        # sessions once the stream is open: a full KV budget, a client over
+                        # its share). Nothing has gone to the client: it gets the error with
+                        # its status, never a 200 holding an empty or cut-short answer.
+                        return web.json_response(event, status=_error_status(event))
                     if "choices" in event or "usage" in event:
                         event["id"] = cid
                         answer.add(event, chat)
@@ -128,6 +134,16 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
     await resp.write(sse(DONE))
     await resp.write_eof()
     return resp
+
+
+def _error_status(event: dict) -> int:
+    """The HTTP status of an error event of the supernode's stream (``error_json``'s shape)."""
+    error = event.get("error")
+    if not isinstance(error, dict):
+        return 500
+    if error.get("code") == "mesh_unavailable":
+        return 503
+    return 400 if error.get("type") == "invalid_request_error" else 500
 
 
 async def _prepared(resp: web.StreamResponse | None, request: web.Request) -> web.StreamResponse:
