@@ -23,7 +23,6 @@ import argparse
 import http.client
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile

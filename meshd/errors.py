@@ -11,6 +11,7 @@ from shards.errors import InvalidParams, ModelError, ShardCorrupt, ShardMissing,
 __all__ = [
     "AuthError", "BadRequest", "ConfigError", "InvalidParams", "KNOWN_ERRORS", "MeshError", "ModelError",
     "NoCapacity", "PeerLost", "ProtocolError", "ShardCorrupt", "ShardMissing", "ShardsError", "StageFailed",
+    "SupernodeChanged",
 ]
 
 
@@ -40,6 +41,11 @@ class StageFailed(PeerLost):
 
 class NoCapacity(MeshError):
     """The mesh cannot hold or serve the model right now (HTTP 503)."""
+
+
+class SupernodeChanged(NoCapacity):
+    """This peer no longer serves as the supernode (it yielded, or it stops): the
+    request goes on at the next one (an entry peer resubmits it with its tokens)."""
 
 
 class BadRequest(MeshError):

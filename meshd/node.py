@@ -73,6 +73,7 @@ from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
+ABORT_GRACE_S = 1.0  # at the drain deadline, for the sessions ended then to tell their clients
 KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured
 
 
@@ -129,7 +130,8 @@ class Node:
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
-                             use_model=self._use_model, busy=lambda: bool(self.scheduler.active))
+                             use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
+                             isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
         self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn,
@@ -188,6 +190,7 @@ class Node:
         runner = web.AppRunner(self.make_app(), shutdown_timeout=self.config.drain_timeout_s,
                                handler_cancellation=True, keepalive_timeout=self.config.http_idle_s)
         discovery = None
+        deadline: float | None = None  # of the stop, once it began
         try:
             nofile = raise_nofile_limit()
             await runner.setup()
@@ -218,11 +221,13 @@ class Node:
                 log.info("node_stopping")
                 self.stopping = True  # new requests get a 503 from here on; those in flight finish
                 self.batches.stop()  # batch lines in flight are cut off: they run again after a restart
+                # The whole stop takes one drain timeout, whatever is left running.
+                deadline = time.monotonic() + self.config.drain_timeout_s
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
-                await self.request_own_drain()  # hand the span away
-                await self._drain()  # let in-flight sessions finish
+                await self.request_own_drain(deadline)  # hand the span away
+                await self._drain(deadline)  # let in-flight sessions finish
                 for link in list(self.view.links.values()):
                     with contextlib.suppress(Exception):
                         await link.send(Bye("shutting down"))
@@ -234,15 +239,21 @@ class Node:
                 await discovery.close()
             for link in list(self.view.links.values()):
                 await link.close("node stopped")
+            if deadline is not None:  # requests still open here get what is left of the drain timeout
+                runner._shutdown_timeout = max(1.0, deadline - time.monotonic())  # aiohttp reads it at cleanup
             await runner.cleanup()
             await self.http.close()
             self.store.close()
             log.info("node_stopped")
 
-    async def _drain(self) -> None:
-        """Let in-flight sessions finish, within the drain timeout."""
-        if not await self.view.changes.wait_for(lambda: not self.scheduler.active, self.config.drain_timeout_s):
+    async def _drain(self, deadline: float) -> None:
+        """Let in-flight sessions finish by ``deadline``; those left then end now, with
+        a 503 that says so (an entry peer resubmits its own at the next supernode)."""
+        left = max(0.0, deadline - time.monotonic() - ABORT_GRACE_S)
+        if not await self.view.changes.wait_for(lambda: not self.scheduler.active, left):
             log.warning("drain_timeout", sessions=len(self.scheduler.active))
+            await self.pipeline.suspend("this peer is shutting down", moved=True)
+            await self.view.changes.wait_for(lambda: not self.scheduler.active, ABORT_GRACE_S)
 
     async def _notify_ready(self, on_ready) -> None:
         await self.view.changes.wait_for(self.serves, None)
@@ -314,6 +325,23 @@ class Node:
         link = view.links.get(view.supernode) if view.supernode else None
         return view.plan is not None and view.plan.supernode == view.supernode and link is not None and link.alive
 
+    def routable(self) -> bool:
+        """Whether a completion sent here can go to a supernode now: as ``serves``, and a
+        peer back from a restart, in no plan yet, sends it to the supernode it elects."""
+        view = self.view
+        if self.serves() or view.is_supernode or view.plan is not None:
+            return self.serves()
+        link = view.links.get(view.supernode) if view.supernode else None
+        return link is not None and link.alive
+
+    async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
+        """The supernode's serving parts, waiting (within the failover wait) while it
+        negotiates its first plan: a peer just elected serves, not 503s."""
+        if self.serving_parts() is None and self.leader.negotiating():
+            await self.view.changes.wait_for(lambda: self.serving_parts() is not None or not self.leader.negotiating(),
+                                             self.config.failover_wait_s)
+        return self.serving_parts()
+
     def serving_parts(self) -> tuple[MeshTokenizer, int] | None:
         tokenizer, manifest = self.scheduler.tokenizer, self.store.manifest
         if tokenizer is None or manifest is None or self.pipeline.plan is None:
@@ -335,13 +363,14 @@ class Node:
     async def drain_peer(self, peer: NodeId) -> dict:
         return await self.leader.drain(peer)
 
-    async def request_own_drain(self) -> None:
-        """At shutdown, a stage asks the supernode to move its span away first."""
+    async def request_own_drain(self, deadline: float) -> None:
+        """At shutdown, a stage asks the supernode to move its span away first (by half
+        the time to ``deadline``: the sessions it serves itself need the rest)."""
         if self.view.is_supernode or not self.view.in_plan(self.node_id):
             return
         try:
-            async with asyncio.timeout(self.config.drain_timeout_s + 2.0):
-                await asyncio.wait_for(self._wait_for(self.serves, 2.0, "no supernode"), 2.0)
+            async with asyncio.timeout(max(1.0, (deadline - time.monotonic()) / 2)):
+                await self._wait_for(self.routable, 2.0, "no supernode")
                 async with self.supernode_post("/v1/mesh/drain", {"node": self.node_id}) as resp:
                     await resp.read()
                     log.info("drained_self", status=resp.status)
@@ -362,7 +391,7 @@ class Node:
         with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
         if not tunnel.plain_header(authorization):
             raise BadRequest("malformed Authorization header (printable ASCII only)", 401)
-        await self._wait_for(self.serves, self.config.failover_wait_s, "no supernode serves")
+        await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
         data = json.dumps(body).encode()
         if self.view.is_supernode:
             headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
@@ -408,10 +437,18 @@ class Node:
         if not await self.view.changes.wait_for(ready, timeout):
             raise NoCapacity(f"{what}: {self.unavailable_reason()}")
 
-    async def wait_new_term(self, term: int) -> None:
-        """After losing the supernode mid-request: wait for the plan of the next one."""
-        await self._wait_for(lambda: self.serves() and self.current_term() > term, self.config.failover_wait_s,
-                             "no new supernode took over")
+    def upstream_mark(self) -> tuple:
+        view = self.view
+        return view.supernode, self.current_term(), None if view.is_supernode else view.links.get(view.supernode)
+
+    async def wait_upstream_change(self, mark: tuple) -> None:
+        """After an attempt failed (the supernode lost, yielded or stopping): wait until a
+        supernode serves under another term, or another supernode, or over a new link."""
+        def changed() -> bool:
+            now = self.upstream_mark()
+            return self.routable() and (now[:2] != mark[:2] or now[2] is not mark[2])
+
+        await self._wait_for(changed, self.config.failover_wait_s, "no new supernode took over")
 
 
 async def _guarded(coro, link: Link | None) -> None:

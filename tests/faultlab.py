@@ -169,3 +169,125 @@ def peer_state(view: dict, node_id: str) -> str | None:
 
 def plan_nodes(view: dict) -> set[str]:
     return {a["node"] for a in view.get("plan", [])}
+
+
+# -- concurrent clients under faults --------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One request's end: ``kind`` is exact, wrong (a token differs), truncated (a 200 that
+    ended short: no [DONE], or a missing finish reason), or error:<what> (a status or an
+    error event: the client was told)."""
+
+    kind: str
+    url: str
+    streamed: bool
+    t_start: float
+    t_end: float
+    longest_pause: float = 0.0  # between consecutive tokens (streams), seconds
+    detail: str = ""
+
+
+class Clients:
+    """``n`` threads, each sending greedy completions of ``prompt`` in turn to its urls
+    (streamed and whole alternately) until ``stop()``; every answer is checked against
+    ``want``. Bounded: each request by STREAM_TIMEOUT_S, the whole by the caller's stop."""
+
+    def __init__(self, urls_per_client: list[list[str]], prompt: str, want: list[int], extra: dict | None = None):
+        self.urls = urls_per_client
+        self.prompt, self.want, self.extra = prompt, want, extra or {}
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"meshd-client-{i}")
+                         for i in range(len(urls_per_client))]
+
+    def start(self) -> Clients:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = STREAM_TIMEOUT_S) -> list[Outcome]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+        with self._lock:
+            return list(self.outcomes)
+
+    def swap_url(self, old: str, new: str) -> None:
+        """A restarted daemon keeps its address; a client that lost one may move."""
+        for urls in self.urls:
+            urls[:] = [new if u == old else u for u in urls]
+
+    def _loop(self, i: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            urls = self.urls[i]
+            url = urls[k % len(urls)]
+            streamed = (k + i) % 3 != 2  # two streams, then one whole answer
+            k += 1
+            t0 = time.monotonic()
+            outcome = self._streamed(url, t0) if streamed else self._whole(url, t0)
+            with self._lock:
+                self.outcomes.append(outcome)
+            if outcome.kind.startswith("error"):
+                self._stop.wait(0.5)  # as a client would, before its retry
+
+    def _streamed(self, url: str, t0: float) -> Outcome:
+        s = Stream(url, self.prompt, len(self.want), dict(self.extra), timeout=STREAM_TIMEOUT_S).start()
+        s._thread.join(STREAM_TIMEOUT_S + 5)
+        end = time.monotonic()
+        pause = max([b - a for a, b in zip([s.t_sent] + s.times, s.times)], default=0.0)  # the first token too
+        if s.errors:
+            return Outcome("error:" + _error_kind(s.errors[-1]["error"]), url, True, t0, end,
+                           detail=str(s.errors[-1])[:300])
+        if s.error is not None:
+            text = str(s.error)
+            kind = "error:http " + text.split(":")[0].removeprefix("HTTP ") if text.startswith("HTTP") else (
+                "error:connection" if not s.tokens else "truncated")
+            return Outcome(kind, url, True, t0, end, detail=text[:300])
+        finish = [c.get("finish_reason") for e in s.events if isinstance(e, dict)
+                  for c in e.get("choices", []) if c.get("finish_reason")]
+        if not s.done or finish[-1:] != ["length"]:
+            return Outcome("truncated" if s.tokens == self.want[:len(s.tokens)] else "wrong", url, True, t0, end,
+                           detail=f"{len(s.tokens)} tokens, done {s.done}, finish {finish[-1:]}")
+        return Outcome("exact" if s.tokens == self.want else "wrong", url, True, t0, end, pause,
+                       detail="" if s.tokens == self.want else f"got {s.tokens}")
+
+    def _whole(self, url: str, t0: float) -> Outcome:
+        from tests.meshlab import completion_body, http_json
+
+        try:
+            status, data = http_json(url + "/v1/completions", completion_body(self.prompt, len(self.want)) | self.extra,
+                                     timeout=STREAM_TIMEOUT_S)
+        except (OSError, ValueError) as exc:  # the connection died (a killed entry), or a cut body
+            return Outcome("error:connection", url, False, t0, time.monotonic(), detail=str(exc)[:300])
+        end = time.monotonic()
+        if status != 200:
+            return Outcome(f"error:http {status} " + _error_kind(data.get("error") or {}), url, False, t0, end,
+                           detail=json.dumps(data)[:300])
+        choice = data["choices"][0]
+        if choice.get("finish_reason") not in ("stop", "length"):
+            return Outcome("truncated", url, False, t0, end, detail=json.dumps(choice)[:300])
+        ok = choice["token_ids"] == self.want and choice["finish_reason"] == "length"
+        return Outcome("exact" if ok else "wrong", url, False, t0, end, detail="" if ok else json.dumps(choice)[:300])
+
+
+def _error_kind(err: dict) -> str:
+    """A short name for an error the client was told (its code, and its message's gist)."""
+    message = str(err.get("message", ""))
+    for gist in ("shutting down", "supernode moved", "not the supernode", "KV cache budget", "no new supernode",
+                 "could not finish", "no supernode serves", "no active plan", "timed out"):
+        if gist in message:
+            return f"{err.get('code')}: {gist}"
+    return f"{err.get('code')}: {message[:60]}"
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    """Counts by kind, and the longest pause of an exact stream."""
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        kinds[o.kind] = kinds.get(o.kind, 0) + 1
+    pauses = [o.longest_pause for o in outcomes if o.kind == "exact" and o.streamed]
+    return {"requests": len(outcomes), "kinds": kinds, "longest_pause_s": round(max(pauses, default=0.0), 2)}

@@ -147,3 +147,88 @@ async def test_forwarded_requests_meet_the_supernodes_keys_and_file_tokens_are_s
                     await resp.content.readline()
                 await until(lambda: not sup.node.scheduler.active, timeout=10)
             assert [e for e in logs if e.get("event") == "tunnel_cancelled"], "the supernode never heard"
+
+
+def after_tokens(k: int):
+    """An event set once a stream has ``k`` tokens, and the ``on_event`` that sets it."""
+    started = asyncio.Event()
+
+    async def note(events: list) -> None:
+        if len(token_ids(events)) >= k:
+            started.set()
+
+    return started, note
+
+
+async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
+    """The supernode's KV budget is full: through the entry peer the client gets the 503
+    (whole or streamed), not a 200 with empty text and no finish reason."""
+    async with pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            body = greedy(max_tokens=64)
+            for stream_it in (False, True):
+                async with http.post(entry.url + "/v1/completions", json=body | {"stream": stream_it}) as resp:
+                    data = await resp.json(content_type=None)
+                    assert resp.status == 503, (stream_it, resp.status, data)
+                    assert "KV cache budget full" in data["error"]["message"], data
+            status, ok = await post(http, entry.url, greedy(max_tokens=8))
+            assert status == 200 and ok["choices"][0]["finish_reason"] == "length", ok
+
+
+async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_path):
+    """A peer that outranks the supernode joins mid-stream: the supernode yields at once,
+    and both streams (one through the entry peer, one sent straight to the old
+    supernode) go on at the new one, token for token the unfaulted answer, without
+    waiting out a timer."""
+    n = 48
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
+    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
+        port = lambda served: served.url.rsplit(":", 1)[1]  # noqa: E731
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            started, note = after_tokens(4)
+            with capture_logs() as logs:
+                via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n), on_event=note))
+                straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n)))
+                whole = asyncio.create_task(post(http, sup.url, greedy(max_tokens=n)))
+                await asyncio.wait_for(started.wait(), 60)
+                async with running_node(tiny_model_dir, tmp_path / "big", name="big", advertise_vram=16 * GiB,
+                                        secret_file=tmp_path / "secret", debug_layer_delay_ms=15.0,
+                                        peer=(f"127.0.0.1:{port(sup)}", f"127.0.0.1:{port(entry)}")) as big:
+                    results = await asyncio.wait_for(asyncio.gather(via_entry, straight, whole), 90)
+                    assert big.node.view.is_supernode and not sup.node.view.is_supernode
+        for events in results[:2]:
+            assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events
+            assert token_ids(events) == want
+        status, body = results[2]
+        assert status == 200 and body["choices"][0]["token_ids"] == want, body
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert [e for e in logs if e.get("event") == "supernode_yields"], "the supernode did not yield mid-stream"
+        assert len([e for e in logs if e.get("event") == "session_handed_on"]) == 2, "its own requests went on"
+        assert [e for e in logs if e.get("event") == "proxy_resubmit"]
+
+
+async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp_path):
+    """The supernode stops while a long stream runs on it and another runs through the
+    entry peer: the stop takes its drain timeout, not more; the stream sent straight to
+    it ends with an error event and [DONE] (never cut short, its session logged as cut),
+    and the one through the entry peer goes on at the next supernode, exact."""
+    n = 64
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
+    drain_s = 1.2
+    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            started, note = after_tokens(4)
+            with capture_logs() as logs:
+                straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n), on_event=note))
+                via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n)))
+                await asyncio.wait_for(started.wait(), 60)
+                t0 = asyncio.get_running_loop().time()
+                sup.stop.set()
+                await asyncio.wait_for(sup.task, drain_s + 5)
+                took = asyncio.get_running_loop().time() - t0
+                cut, through = await asyncio.wait_for(asyncio.gather(straight, via_entry), 60)
+    assert took < drain_s + 1.5, f"the stop took {took:.1f} s with a drain timeout of {drain_s} s"
+    assert cut[-1] == "[DONE]" and "shutting down" in cut[-2].get("error", {}).get("message", ""), cut[-3:]
+    assert len(token_ids(cut)) < n and token_ids(cut) == want[:len(token_ids(cut))]
+    assert through[-1] == "[DONE]" and token_ids(through) == want, through[-3:]
+    assert any(e.get("event") == "session_finished" and e.get("finish") == "cut" for e in logs)

@@ -42,6 +42,8 @@ NOT_MY_SUPERNODE = "not my supernode"
 # The waits double from VIEW_RETRY_FIRST_S up to settle_s: a closed socket reaches every
 # peer within milliseconds, a heartbeat loss within a beat or two (5.5 s in all at 1 s).
 VIEW_RETRIES = 8
+# A peer that lost every link at once waits this many heartbeats for them before it leads alone.
+ISOLATION_WAIT_BEATS = 8
 VIEW_RETRY_FIRST_S = 0.1
 
 
@@ -51,13 +53,14 @@ class PlanSink(Protocol):
     async def serve(self, term: int, assignments: Sequence[Assignment], runners: Mapping[NodeId, StageRunner]
                     ) -> None: ...
 
-    async def suspend(self, reason: str) -> None: ...
+    async def suspend(self, reason: str, moved: bool = False) -> None: ...
 
 
 class Leader:
     def __init__(self, config: Config, view: MeshView, store: ModelStore, pipeline: PlanSink, *,
                  spawn: Callable[[Coroutine], asyncio.Task], local_runner: Callable[[StageEngine], StageRunner],
-                 use_model: Callable[[Path, Manifest], None], busy: Callable[[], bool]):
+                 use_model: Callable[[Path, Manifest], None], busy: Callable[[], bool],
+                 isolated_since: Callable[[], float | None] = lambda: None):
         self.config = config
         self.view = view
         self.store = store
@@ -66,6 +69,8 @@ class Leader:
         self.local_runner = local_runner  # this peer's span behind the pipeline's interface
         self.use_model = use_model  # the supernode's parts that do not split (tokenizer, KV budget)
         self.busy = busy  # whether streams are in flight on this peer
+        self.isolated_since = isolated_since  # when every link was lost at once (monotonic), or None
+        self._isolation_check: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self._urgent = False  # a loss or a drain waits on the next plan: no settling
         self._reason = "start"
@@ -114,19 +119,42 @@ class Leader:
             return
         await self.view.changes.wait_for(lambda: not self.busy() or self._urgent, self.config.join_defer_s)
 
+    def _isolated_wait(self) -> float:
+        """Seconds left to wait before leading alone: a peer that lost every link at once is
+        most likely the one cut off (its cable, its stall); it waits for them to answer
+        again rather than split the mesh, and leads alone only if none does in time."""
+        since = self.isolated_since()
+        if since is None or self.view.links:
+            return 0.0
+        return max(0.0, since + ISOLATION_WAIT_BEATS * self.config.heartbeat_s - time.monotonic())
+
     def _reelect(self) -> None:
         winner = self.view.elected()
+        if winner == self.view.node_id and (wait := self._isolated_wait()) > 0:
+            log.warning("isolated_waits", seconds=round(wait, 1), supernode=self.view.supernode)
+            if self._isolation_check is None or self._isolation_check.done():
+                self._isolation_check = self.spawn(self._recheck_after(wait))
+            self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, "cut off from every peer: waiting for them")
+            return
         if self._lead_task is not None and not self._lead_task.done():
             self._lead_task.cancel()
         if winner == self.view.node_id:
+            if not self.view.is_supernode:  # the reason a 503 gives is this peer's, not the old supernode's
+                self.view.set_unavailable(NotServing.PLANNING, "this peer took over as supernode and is planning")
             self.view.set_supernode(winner)
             self._lead_task = self.spawn(self._lead(self._reason))
         else:
             if self.view.is_supernode:
+                # The sessions running here go on at the new supernode at once (the entry
+                # peers resubmit theirs, the API hands on its own), not after a timeout.
                 log.info("supernode_yields", to=winner)
-                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}"))
+                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}", moved=True))
             self.view.set_supernode(winner)
             self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, f"waiting for a plan from {winner}")
+
+    async def _recheck_after(self, wait: float) -> None:
+        await asyncio.sleep(wait + 0.05)
+        self.view_changed("no peer answered while cut off", urgent=True)
 
     def negotiating(self) -> bool:
         return self._lead_task is not None and not self._lead_task.done()

@@ -27,6 +27,7 @@ from protocol.messages import Message, NodeId
 log = structlog.get_logger()
 
 LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
+REDIAL_AFTER_S = 2.0  # the larger id dials too once a peer it sees has stayed unlinked this long
 
 
 class LinkKeeper:
@@ -46,6 +47,11 @@ class LinkKeeper:
         self.adverts: dict[str, Advert] = {}  # what mDNS lists now
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
+        self._unlinked_since: dict[str, float] = {}  # advertised peers without a link, since when
+        self._recent_losses: list[float] = []  # when links were lost (for isolated_since)
+        # Every link lost at once (a cut cable, or this process stopped while the others
+        # closed on it): this peer is likely the one cut off, and asks before it leads alone.
+        self.isolated_since: float | None = None
 
     async def discovery_loop(self) -> None:
         while True:
@@ -54,7 +60,8 @@ class LinkKeeper:
                 case PeerSeen(advert=advert):
                     self.adverts[advert.node_id] = advert
                 case PeerGone(node_id=node_id):
-                    self.adverts.pop(node_id, None)
+                    # Kept, to be dialled again: a goodbye heard while a cable was out, or
+                    # a restart announced then, must not leave two live peers unlinked.
                     link = self.view.links.get(node_id)
                     if link is not None:  # mDNS says gone: confirm with a ping, the heartbeat decides
                         with contextlib.suppress(PeerLost):
@@ -62,10 +69,18 @@ class LinkKeeper:
 
     def _dial_targets(self) -> list[tuple[str, str, int, NodeId | None]]:
         targets = []
+        now = time.monotonic()
         linked_addrs = {(link.addr, link.caps.api_port) for link in self.view.live_links().values()}
         for advert in self.adverts.values():
-            # One link per pair: the peer with the smaller id dials.
-            if advert.node_id not in self.view.links and self.view.node_id < advert.node_id:
+            if advert.node_id in self.view.links:
+                self._unlinked_since.pop(advert.node_id, None)
+                continue
+            since = self._unlinked_since.setdefault(advert.node_id, now)
+            if now - since > LOST_SHOWN_S:
+                continue  # gone for good (a goodbye, and silence since): dialled no more
+            # One link per pair: the peer with the smaller id dials; the other one too
+            # once the pair has stayed unlinked (that peer may never have heard of it).
+            if self.view.node_id < advert.node_id or now - since > REDIAL_AFTER_S:
                 targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port, advert.node_id))
         for addr in self.config.peer:
             host, _, port = addr.rpartition(":")
@@ -164,6 +179,7 @@ class LinkKeeper:
         self.view.add_link(link)
         if old is not None and old.alive:
             self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
+        self.isolated_since = None
         log.info("peer_joined", peer=link.peer_id, name=link.hello.name, addr=link.addr,
                  device=link.caps.device, vram=link.caps.vram)
         self.on_joined(link.peer_id)
@@ -172,6 +188,12 @@ class LinkKeeper:
 
     def _unregister(self, link: Link) -> None:
         if self.view.remove_link(link):
+            now = time.monotonic()
+            window = self.config.heartbeat_s * self.config.missed_beats
+            self._recent_losses = [t for t in self._recent_losses if now - t < window] + [now]
+            if not self.view.links and len(self._recent_losses) >= 2:
+                self.isolated_since = now
+                log.warning("isolated", peers_lost=len(self._recent_losses))
             log.warning("peer_lost", peer=link.peer_id, reason=link.close_reason)
             self.on_lost(link.peer_id, link.close_reason)
 
@@ -180,8 +202,16 @@ class LinkKeeper:
         (a hung or partitioned peer sends no close)."""
         beat = self.config.heartbeat_s
         limit = beat * self.config.missed_beats
+        last = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last > limit:
+                # This loop slept past the limit: this process was stopped (or starved),
+                # not its peers. Ask them (the pings below) before declaring any lost.
+                log.warning("heartbeat_stalled", seconds=round(now - last, 2))
+                for link in self.view.links.values():
+                    link.last_heard = max(link.last_heard, now)
+            last = now
             for link in list(self.view.links.values()):
                 if now - link.last_heard > limit:
                     self.spawn(link.close(f"missed {self.config.missed_beats} heartbeats"))

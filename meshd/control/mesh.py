@@ -48,6 +48,7 @@ class NotServing(Enum):
 
     STARTING = "starting"
     WAITING_FOR_PLAN = "waiting for a plan"
+    PLANNING = "the supernode is planning"
     NO_MODEL = "the supernode has no model"
     NO_ROOM = "the peers cannot hold the model"
     LOAD_FAILED = "the supernode cannot load its part"

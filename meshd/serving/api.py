@@ -15,7 +15,7 @@ import hmac
 import structlog
 from aiohttp import web
 
-from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull
+from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull, SupernodeChanged
 from meshd.serving import dashboard
 from meshd.control.tunnel import TUNNEL_HEADER
 from meshd.serving.daemon import NODE, Daemon
@@ -24,6 +24,7 @@ from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
+    SUPERNODE_CHANGED,
     CompletionRequest,
     choice_json,
     chunk_json,
@@ -33,7 +34,7 @@ from meshd.serving.openai import (
     response_json,
     sse,
 )
-from meshd.serving.proxy import proxy_completion
+from meshd.serving.proxy import Handoff, proxy_completion
 from meshd.serving.scheduler import Usage
 
 log = structlog.get_logger()
@@ -43,8 +44,13 @@ LOCAL_HEADER = "X-Meshd-Local"  # Daemon.local_auth: this process calling its ow
 KEEPALIVE_S = 1.0
 
 
-def error_response(message: str, status: int, param: str | None = None) -> web.Response:
-    return web.json_response(error_json(message, status, param), status=status)
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_json(message, status, param, code), status=status)
+
+
+def _code(exc: BaseException) -> str | None:
+    """SUPERNODE_CHANGED for a request the next supernode can take (an entry peer resubmits it)."""
+    return SUPERNODE_CHANGED if isinstance(exc, SupernodeChanged) else None
 
 
 @web.middleware
@@ -56,7 +62,7 @@ async def errors_middleware(request: web.Request, handler):
     except InvalidParams as exc:  # the model side's own check of sampling parameters
         return error_response(str(exc), 400, exc.param)
     except NoCapacity as exc:
-        return error_response(f"the mesh cannot serve now: {exc}", 503)
+        return error_response(f"the mesh cannot serve now: {exc}", 503, code=_code(exc))
     except StorageFull as exc:
         return error_response(str(exc), 507)
     except web.HTTPRequestEntityTooLarge:
@@ -138,12 +144,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     node = request.app[NODE]
     if node.stopping:
-        raise NoCapacity("this peer is shutting down; send the request to another peer")
+        raise SupernodeChanged("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
     client = request[CLIENT_KEY] = client_id(request, _mesh_peer(request), _bearer(request))
     if not node.view.is_supernode:
+        if _mesh_peer(request):  # a peer took this one for the supernode: not a chain of proxies
+            raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})")
         return await proxy_completion(node, request, body, chat)
-    engine_ready = node.serving_parts()
+    engine_ready = await node.serving_parts_soon()
     if engine_ready is None:
         raise NoCapacity(node.unavailable_reason())
     tokenizer, context = engine_ready
@@ -155,8 +163,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         max_tokens_limit=node.config.max_tokens_limit,
     ))
     if req.stream:
-        return await _stream(request, node, req, client)
-    return await _whole(node, req, client)
+        return await _stream(request, node, req, body, client)
+    return await _whole(request, node, req, body, client)
 
 
 @functools.cache
@@ -171,26 +179,44 @@ def _choice_params(req: CompletionRequest, index: int):
     return dataclasses.replace(req.params, seed=req.params.seed + index)
 
 
-async def _whole(node: Daemon, req: CompletionRequest, client: str | None = None) -> web.Response:
+def _hands_on(request: web.Request, node: Daemon, req: CompletionRequest, failure: BaseException | None) -> bool:
+    """Whether a request this supernode began goes on at the next one: it yielded
+    (not stopping: then no next one is named until it is gone), one choice ran, and
+    a client sent it here (an entry peer that forwarded it resubmits it itself)."""
+    return (isinstance(failure, SupernodeChanged) and req.n == 1 and not node.stopping
+            and not _mesh_peer(request))
+
+
+async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, body: dict,
+                 client: str | None = None) -> web.StreamResponse:
     cid = completion_id(req.chat)
     usage = Usage()
+    texts: list[list[str]] = [[] for _ in range(req.n)]
+    ids: list[list[int]] = [[] for _ in range(req.n)]
 
     async def one(index: int) -> dict:
-        text, ids, finish = [], [], None
+        finish = None
         async for chunk in node.metrics.observe(node.scheduler.generate(
             req.prompt_ids, _choice_params(req, index), usage, history=list(req.resume), priority=req.priority,
             client=client, request=cid,
         )):
-            text.append(chunk.text)
-            ids.extend(chunk.token_ids)
+            texts[index].append(chunk.text)
+            ids[index].extend(chunk.token_ids)
             finish = chunk.finish_reason or finish
-        return choice_json(req.chat, index, "".join(text), ids, finish)
+        return choice_json(req.chat, index, "".join(texts[index]), ids[index], finish)
 
-    choices = await asyncio.gather(*(one(i) for i in range(req.n)))
+    try:
+        choices = await asyncio.gather(*(one(i) for i in range(req.n)))
+    except SupernodeChanged as exc:
+        if not _hands_on(request, node, req, exc):
+            raise
+        log.info("session_handed_on", tokens=len(ids[0]), reason=str(exc))
+        return await proxy_completion(node, request, body, req.chat,
+                                      Handoff(cid, None, ids[0], "".join(texts[0])))
     return web.json_response(response_json(req, cid, list(choices), len(req.prompt_ids), usage.completion_tokens))
 
 
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, body: dict,
                   client: str | None = None) -> web.StreamResponse:
     cid = completion_id(req.chat)
     # Fail before the 200 goes out when the mesh cannot serve at all.
@@ -198,7 +224,8 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
         raise NoCapacity(node.unavailable_reason())
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[dict, tuple[int, ...], str] | None] = asyncio.Queue()
+    sent_ids, sent_text = [], []  # of choice 0, what the client has been sent
 
     usage = Usage()
 
@@ -210,7 +237,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
                 client=client, request=cid,
             )):
                 data = chunk_json(req, cid, index, chunk.text, list(chunk.token_ids), chunk.finish_reason, first=first)
-                await queue.put(data)
+                await queue.put((data, chunk.token_ids if index == 0 else (), chunk.text if index == 0 else ""))
                 first = False
         finally:
             await queue.put(None)
@@ -228,7 +255,10 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
             if item is None:
                 finished += 1
             else:
-                await resp.write(sse(item))
+                data, ids, text = item
+                await resp.write(sse(data))
+                sent_ids.extend(ids)
+                sent_text.append(text)
         if req.include_usage:
             final = response_json(req, cid, [], len(req.prompt_ids), usage.completion_tokens)
             final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
@@ -249,10 +279,14 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest,
     if gone:  # an ordinary event, not a server error: nobody is left to tell
         log.info("client_gone", path=request.path)
         return resp
+    if _hands_on(request, node, req, failure):
+        log.info("session_handed_on", tokens=len(sent_ids), reason=str(failure))
+        return await proxy_completion(node, request, body, req.chat,
+                                      Handoff(cid, resp, sent_ids, "".join(sent_text)))
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
         status = 503 if isinstance(failure, NoCapacity) else 500
-        await resp.write(sse(error_json(f"generation failed: {failure}", status)))
+        await resp.write(sse(error_json(f"generation failed: {failure}", status, code=_code(failure))))
     await resp.write(sse(DONE))
     await resp.write_eof()
     return resp

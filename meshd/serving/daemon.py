@@ -25,13 +25,15 @@ class Upstream(Protocol):
     config: Config
     http: aiohttp.ClientSession | None
 
-    def current_term(self) -> int: ...
+    def upstream_mark(self) -> tuple:
+        """Who serves now (supernode, term, link): what a failed attempt waits to see change."""
 
     def supernode_post(self, path: str, body: object, authorization: str = "",
                        timeout: aiohttp.ClientTimeout | None = None, client: str = "") -> AsyncContextManager:
         """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
-    async def wait_new_term(self, term: int) -> None: ...
+    async def wait_upstream_change(self, mark: tuple) -> None:
+        """Until a supernode serves that is not the one ``mark`` names (NoCapacity after the failover wait)."""
 
 
 class Daemon(Upstream, Protocol):
@@ -54,6 +56,9 @@ class Daemon(Upstream, Protocol):
     def model_name(self) -> str: ...
 
     def serves(self) -> bool: ...
+
+    async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
+        """serving_parts, once a plan being negotiated is active (bounded)."""
 
     def serving_parts(self) -> tuple[MeshTokenizer, int] | None:
         """The supernode's tokenizer and context length, once it serves."""

@@ -117,8 +117,6 @@ def client_id(request: web.Request, mesh_peer: bool, bearer: str | None) -> str:
     if mesh_peer and (forwarded := request.headers.get(CLIENT_HEADER)):
         return forwarded[:128]
     if bearer:
-        # surrogateescape: aiohttp decodes header bytes that are not UTF-8 to surrogates,
-        # which a plain encode() refuses (a 500 on a peer without keys, before any check)
         return "key:" + hashlib.sha256(bearer.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return "addr:" + (request.remote or "?")
 

@@ -182,11 +182,16 @@ def chunk_json(
     return {"id": cid, "object": kind, "created": int(time.time()), "model": req.model, "choices": [choice]}
 
 
-def error_json(message: str, status: int, param: str | None = None) -> dict:
+# The code of a 503 that an entry peer answers by asking the next supernode (this
+# one yielded or stops); a client that gets it (it came straight here) retries elsewhere.
+SUPERNODE_CHANGED = "supernode_changed"
+
+
+def error_json(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error shape, as a body or as an event of a stream that fails."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    code = {404: "model_not_found" if param == "model" else "not_found", 409: "conflict", 413: "request_too_large",
-            503: "mesh_unavailable", 507: "storage_full"}.get(status)
+    code = code or {404: "model_not_found" if param == "model" else "not_found", 409: "conflict",
+                    413: "request_too_large", 503: "mesh_unavailable", 507: "storage_full"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from meshd.control.runner import StageRunner
-from meshd.errors import NoCapacity, PeerLost, StageFailed
+from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
 
 log = structlog.get_logger()
@@ -46,6 +46,7 @@ class Pipeline:
         self._changed = asyncio.Condition()
         self._wait_s = wait_s
         self._unavailable = "no plan is active yet"
+        self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
 
     @property
@@ -57,13 +58,16 @@ class Pipeline:
         """Steps run under this plan from now on (a step that failed under an older one retries here)."""
         await self._set(ActivePlan(term, tuple(assignments), runners))
 
-    async def suspend(self, reason: str) -> None:
-        """No plan: steps wait (bounded) for the next one, then fail with ``reason``."""
-        await self._set(None, reason)
+    async def suspend(self, reason: str, moved: bool = False) -> None:
+        """No plan: steps wait (bounded) for the next one, then fail with ``reason``;
+        ``moved`` (another peer is supernode now, or this one stops): they fail at once
+        with SupernodeChanged, so their requests go on at the next supernode."""
+        await self._set(None, reason, moved)
 
-    async def _set(self, plan: ActivePlan | None, reason: str = "") -> None:
+    async def _set(self, plan: ActivePlan | None, reason: str = "", moved: bool = False) -> None:
         async with self._changed:
             self._plan = plan
+            self._moved = reason if moved else None
             if plan is None:
                 self._unavailable = reason or "the mesh has no active plan"
             self._changed.notify_all()
@@ -77,6 +81,8 @@ class Pipeline:
 
         async with self._changed:
             while not ready():
+                if self._moved is not None:
+                    raise SupernodeChanged(self._moved)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoCapacity(self._unavailable)
@@ -97,6 +103,9 @@ class Pipeline:
         attempts = 0
         while True:
             plan = await self._wait_plan(failed_term)
+            # The engine this step embeds with and samples from: a yield can swap the
+            # peer's engine (a headless stage of the next supernode's plan) mid-step.
+            engine = self._head_engine()
             work = []  # (session, start, rows)
             for s in sessions:
                 start = s.cached if s.term == plan.term else 0
@@ -106,7 +115,11 @@ class Pipeline:
                     s.cached = 0
                 work.append((s, start, min(len(s.tokens) - start, PREFILL_CHUNK)))
             try:
-                hidden = await self._run(plan, work)
+                if engine is None:
+                    raise PeerLost("this peer holds no head under the plan now")
+                hidden = await self._run(plan, work, engine)
+                if self._head_engine() is not engine:
+                    raise PeerLost("the head changed during the step (the plan moved)")
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
                 attempts += 1
@@ -131,14 +144,13 @@ class Pipeline:
                 else:
                     out[s.id] = None
             if done:
-                picked = await self._head_engine().head_then(
+                picked = await engine.head_then(
                     hidden, [row for _, row in done], lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
                 for (s, _), token in zip(done, picked):
                     out[s.id] = token
             return out
 
-    async def _run(self, plan: ActivePlan, work: list) -> torch.Tensor:
-        engine = self._head_engine()
+    async def _run(self, plan: ActivePlan, work: list, engine) -> torch.Tensor:
         tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
         segments = [Segment(s.id, start, rows) for s, start, rows in work]
         hidden = await engine.embed(tokens)

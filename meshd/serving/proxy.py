@@ -1,16 +1,22 @@
 """The entry peer's side of a completion: forward it to the supernode, stream
 the answer back, and keep the token history, so that if the supernode is lost
-mid-stream the request is resubmitted to the next one and the stream goes on
-where it stopped (no duplicate, no missing token).
+mid-stream, or yields, or stops, the request is resubmitted to the next one and
+the stream goes on where it stopped (no duplicate, no missing token).
 
 Upstream is always a stream (with usage), whatever the client asked; a client
-that asked for one JSON body gets it assembled here.
+that asked for one JSON body gets it assembled here. An upstream failure never
+becomes a 200: an answer that did not finish (no [DONE], an error event, a
+choice without a finish reason) is resubmitted or is an error with its reason.
+
+The supernode hands its own requests on through here too when it yields
+(``Handoff``): what it already sent is the history the next supernode resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 import aiohttp
 import structlog
@@ -22,6 +28,7 @@ from meshd.serving.guards import CLIENT_KEY
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
+    SUPERNODE_CHANGED,
     choice_json,
     completion_id,
     completion_json,
@@ -32,7 +39,8 @@ from meshd.serving.openai import (
 
 log = structlog.get_logger()
 
-MAX_RESUBMITS = 3
+MAX_RESUBMITS = 4
+FINISHED = ("stop", "length")
 
 
 class _Answer:
@@ -44,6 +52,7 @@ class _Answer:
         self.finish: list[str | None] = [None] * n
         self.usage: dict | None = None
         self.model: str | None = None
+        self.resumed = 0  # leading ids of choice 0 the client sent (meshd_resume), not answered back
 
     def add(self, data: dict, chat: bool) -> None:
         self.model = data.get("model", self.model)
@@ -60,95 +69,176 @@ class _Answer:
             if choice.get("finish_reason"):
                 self.finish[i] = choice["finish_reason"]
 
+    @property
+    def generated(self) -> bool:
+        return len(self.ids[0]) > self.resumed or any(self.ids[1:])
+
+    @property
+    def finished(self) -> bool:
+        return all(f in FINISHED for f in self.finish)
+
     def whole(self, cid: str, chat: bool) -> dict:
-        choices = [choice_json(chat, i, "".join(text), ids, finish)
+        choices = [choice_json(chat, i, "".join(text), ids[self.resumed if i == 0 else 0:], finish)
                    for i, (ids, text, finish) in enumerate(zip(self.ids, self.text, self.finish))]
         return completion_json(chat, cid, self.model, choices, self.usage)
 
 
-async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool) -> web.StreamResponse:
+@dataclass
+class Handoff:
+    """A request the supernode began itself and hands on when it yields: the id the
+    client knows, its response if streaming began, and the tokens and text sent."""
+
+    cid: str
+    resp: web.StreamResponse | None
+    ids: list[int]
+    text: str
+
+
+class _Retry(Exception):
+    """This upstream cannot finish the answer; the next supernode may (``moved``:
+    wait for the mesh to name it first)."""
+
+    def __init__(self, message: str, moved: bool = True):
+        super().__init__(message)
+        self.moved = moved
+
+
+@dataclass
+class _Refused:
+    """The supernode refused the request (4xx, or a 503 such as a full KV budget)."""
+
+    status: int
+    payload: bytes
+
+
+def _error_of(data: object) -> tuple[str, str | None]:
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        return "", None
+    return str(err.get("message", "")), err.get("code")
+
+
+class _Client:
+    """The client's side: its response once streaming began, and what it asked for."""
+
+    def __init__(self, request: web.Request, body: dict, resp: web.StreamResponse | None):
+        self.request = request
+        self.stream = body.get("stream") is True
+        self.usage = bool((body.get("stream_options") or {}).get("include_usage")) if self.stream else True
+        self.resp = resp
+
+    async def prepared(self) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers=SSE_HEADERS)
+            await self.resp.prepare(self.request)
+        return self.resp
+
+    async def end(self, error: dict | bytes | None = None) -> web.StreamResponse:
+        """The stream's last events: the error (if any), then [DONE]."""
+        resp = await self.prepared()
+        if error is not None:
+            await resp.write(sse(error.decode("utf-8", "replace") if isinstance(error, bytes) else error))
+        await resp.write(sse(DONE))
+        await resp.write_eof()
+        return resp
+
+
+async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool,
+                           handoff: Handoff | None = None) -> web.StreamResponse:
     if not isinstance(body, dict):  # let the supernode word the error
         body = {"_invalid": body}
-    wants_stream = body.get("stream") is True
-    wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if wants_stream else True
+    client = _Client(request, body, handoff.resp if handoff else None)
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
-    cid = completion_id(chat)
+    cid = handoff.cid if handoff else completion_id(chat)
     answer = _Answer(max(1, min(n, 8)))
-    resp: web.StreamResponse | None = None
+    resume = body.get("meshd_resume")
+    if n == 1 and isinstance(resume, list) and all(isinstance(t, int) for t in resume):
+        answer.ids[0].extend(resume)  # the supernode checks them; a resubmission starts after them
+        answer.resumed = len(resume)
+    if handoff is not None:
+        answer.ids[0].extend(handoff.ids)
+        answer.text[0].append(handoff.text)
     resubmits = 0
     while True:
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
-        if resubmits:
+        if answer.ids[0]:
             upstream_body["meshd_resume"] = answer.ids[0]
-        term = node.current_term()
-        # The supernode streams at least a keepalive each second; silence for
-        # as long as the heartbeat allows means it is hung or cut off.
-        silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
+        mark = node.upstream_mark()
         try:
-            # Over the sealed link (the client's own key goes along: the supernode's keys apply).
-            async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""),
-                                           silence, client=request.get(CLIENT_KEY, "")) as up:
-                if up.status != 200:
-                    # A refusal (4xx, 503): pass it through as it is, if nothing was sent yet.
-                    payload = await up.read()
-                    if resp is None:
-                        return web.Response(body=payload, status=up.status, content_type="application/json")
-                    await resp.write(sse(payload.decode("utf-8", "replace")))
-                    break
-                async for data in sse_events(up.content):
-                    if data == DONE:
-                        if wants_stream:
-                            resp = await _prepared(resp, request)
-                            await resp.write(sse(DONE))
-                            await resp.write_eof()
-                            return resp
-                        return web.json_response(answer.whole(cid, chat))
-                    event = json.loads(data)
-                    if "error" in event and resp is None:
-                        # Refused or failed after the supernode's 200 (it admits a stream's
-                        # sessions once the stream is open: a full KV budget, a client over
-                        # its share). Nothing has gone to the client: it gets the error with
-                        # its status, never a 200 holding an empty or cut-short answer.
-                        return web.json_response(event, status=_error_status(event))
-                    if "choices" in event or "usage" in event:
-                        event["id"] = cid
-                        answer.add(event, chat)
-                    if wants_stream and (event.get("choices") or wants_usage or "error" in event):
-                        resp = await _prepared(resp, request)
-                        await resp.write(sse(event))
-            raise aiohttp.ClientPayloadError("the supernode ended the stream without [DONE]")
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-            # The supernode went away mid-answer. One choice can be resumed from
-            # its token history; several only if nothing was generated yet.
+            refused = await _relay(node, upstream_body, answer, chat, cid, client)
+            if refused is not None:
+                if client.resp is None:
+                    return web.Response(body=refused.payload, status=refused.status, content_type="application/json")
+                return await client.end(refused.payload)
+            if not answer.finished:
+                raise _Retry("the supernode ended the answer without a finish reason", moved=False)
+            if not client.stream:
+                return web.json_response(answer.whole(cid, chat))
+            return await client.end()
+        except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
+            # The supernode went away, yielded or stops mid-answer. One choice can be
+            # resumed from its token history; several only if nothing was generated yet.
             resubmits += 1
-            started = any(answer.ids)
-            if resubmits > MAX_RESUBMITS or (n > 1 and started):
-                log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits)
-                if resp is None:
-                    raise NoCapacity(f"lost the supernode mid-request: {exc}") from None
-                await resp.write(sse(error_json(f"lost the supernode: {exc}", 503)))
-                break
+            why = f"the supernode could not finish the request: {exc or type(exc).__name__}"
+            if resubmits > MAX_RESUBMITS or (n > 1 and answer.generated):
+                log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits, tokens_so_far=len(answer.ids[0]))
+                if client.resp is None:
+                    raise NoCapacity(why) from None
+                return await client.end(error_json(why, 503))
             log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.ids[0]), attempt=resubmits)
-            await node.wait_new_term(term)
-    resp = await _prepared(resp, request)
-    await resp.write(sse(DONE))
-    await resp.write_eof()
-    return resp
+            try:
+                if not isinstance(exc, _Retry) or exc.moved:
+                    await node.wait_upstream_change(mark)
+                else:  # the same supernode, once it had a moment (a re-plan under way)
+                    await asyncio.sleep(node.config.heartbeat_s)
+            except NoCapacity as gone:
+                log.warning("proxy_gave_up", error=str(gone), resubmits=resubmits, tokens_so_far=len(answer.ids[0]))
+                if client.resp is None:
+                    raise
+                return await client.end(error_json(f"{why}; {gone}", 503))
+        except NoCapacity as exc:  # no supernode serves: the request cannot go on
+            if client.resp is None:
+                raise
+            return await client.end(error_json(f"the mesh cannot serve now: {exc}", 503))
 
 
-def _error_status(event: dict) -> int:
-    """The HTTP status of an error event of the supernode's stream (``error_json``'s shape)."""
-    error = event.get("error")
-    if not isinstance(error, dict):
-        return 500
-    if error.get("code") == "mesh_unavailable":
-        return 503
-    return 400 if error.get("type") == "invalid_request_error" else 500
-
-
-async def _prepared(resp: web.StreamResponse | None, request: web.Request) -> web.StreamResponse:
-    if resp is None:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-    return resp
-
+async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: bool, cid: str,
+                 client: _Client) -> _Refused | None:
+    """One upstream attempt: events go on to the client as they come (streaming) or into
+    ``answer``. None once [DONE] came; the refusal; or _Retry (or a connection error)
+    when this supernode cannot finish."""
+    # The supernode streams at least a keepalive each second; silence for
+    # as long as the heartbeat allows means it is hung or cut off.
+    silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
+    # Over the sealed link (the client's own key goes along: the supernode's keys apply).
+    request = client.request
+    async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""), silence,
+                                   client=request.get(CLIENT_KEY, "")) as up:
+        if up.status != 200:
+            payload = await up.read()
+            try:
+                message, code = _error_of(json.loads(payload))
+            except ValueError:
+                message, code = payload[:200].decode("utf-8", "replace"), None
+            if code == SUPERNODE_CHANGED:
+                raise _Retry(message)
+            return _Refused(up.status, payload)
+        async for data in sse_events(up.content):
+            if data == DONE:
+                return None
+            event = json.loads(data)
+            if "error" in event:
+                message, code = _error_of(event)
+                if code == SUPERNODE_CHANGED:
+                    raise _Retry(message)
+                if answer.generated:  # mid-answer: the next attempt resumes from the history
+                    raise _Retry(message, moved=False)
+                # Refused before a token (a full KV budget): the client gets that, not a 200.
+                return _Refused(503 if code == "mesh_unavailable" else 500, json.dumps(event).encode())
+            if "choices" in event or "usage" in event:
+                event["id"] = cid
+                answer.add(event, chat)
+            if client.stream and (event.get("choices") or client.usage):
+                resp = await client.prepared()
+                await resp.write(sse(event))
+    raise _Retry("the supernode ended the stream without [DONE]")

@@ -285,7 +285,7 @@ class Scheduler:
         log.info("session_started", prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
                  resumed=len(session.generated), priority=priority.name.lower())
         t0 = time.monotonic()
-        pending, pending_ids, finish = "", [], "length"
+        pending, pending_ids, finish = "", [], None  # None to the end: cut (an error, a shutdown, a client gone)
         delivered = len(session.generated)
         try:
             if len(session.generated) >= params.max_tokens:
@@ -334,7 +334,7 @@ class Scheduler:
                 usage.prompt_tokens += len(prompt_ids)
                 usage.completion_tokens += delivered
             await self._release(session)
-            log.info("session_finished", tokens=delivered, finish=finish,
+            log.info("session_finished", tokens=delivered, finish=finish or "cut",
                      seconds=round(time.monotonic() - t0, 3))
             structlog.contextvars.unbind_contextvars("session")
 
