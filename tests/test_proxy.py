@@ -19,9 +19,9 @@ from structlog.testing import capture_logs
 
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
 from tests.fixtures.api import PROMPT, greedy, post
-from tests.fixtures.daemon import linked_pair
+from tests.fixtures.daemon import linked_pair, running_node
 from tests.meshlab import greedy_reference
-from tests.inproc import until
+from tests.inproc import GiB, until
 
 pytestmark = pytest.mark.timeout(120)
 TOKENS = 24
@@ -163,7 +163,7 @@ def after_tokens(k: int):
 async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
     """The supernode's KV budget is full: through the entry peer the client gets the 503
     (whole or streamed), not a 200 with empty text and no finish reason."""
-    async with pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             body = greedy(max_tokens=64)
             for stream_it in (False, True):
@@ -182,7 +182,7 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
     waiting out a timer."""
     n = 48
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
         port = lambda served: served.url.rsplit(":", 1)[1]  # noqa: E731
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             started, note = after_tokens(4)
@@ -215,7 +215,7 @@ async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp
     n = 64
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
     drain_s = 1.2
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             started, note = after_tokens(4)
             with capture_logs() as logs:
