@@ -84,6 +84,9 @@ class Config:
     # and the size bound of the batch store (SQLite in the state dir: files, results).
     batch_concurrency: int = 32
     batch_max_bytes: int = 1 << 30
+    # Finished sessions whose KV stays on the stages for a new request that starts
+    # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
+    prefix_cache_entries: int = 32
     log_level: str = "info"
     # HTTP API keys (one per line): when set, completions and models need
     # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,
@@ -127,6 +130,8 @@ class Config:
             raise ConfigError("batch_concurrency: must be from 1 to 1024")
         if self.batch_max_bytes < 1 << 20:
             raise ConfigError("batch_max_bytes: must be at least 1 MiB")
+        if not 0 <= self.prefix_cache_entries <= 4096:
+            raise ConfigError("prefix_cache_entries: must be 0 (off) to 4096")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:
             raise ConfigError("heartbeat_s must be > 0 and missed_beats >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -47,7 +48,7 @@ def memory_budget(device: str, configured: int | None) -> int:
     return int(available_ram() * 0.7)
 
 
-def speed_probe(device: str, hidden: int = 576, intermediate: int = 1536, repeats: int = 20) -> float:
+def speed_probe(device: str, hidden: int = 576, intermediate: int = 1536, repeats: int = 20, rounds: int = 5) -> float:
     """Milliseconds for the matmuls of one reference-sized Llama layer at batch 1.
 
     Placement needs only relative speed, so a fixed reference layer serves every
@@ -71,11 +72,17 @@ def speed_probe(device: str, hidden: int = 576, intermediate: int = 1536, repeat
     with torch.inference_mode():
         for _ in range(3):
             layer()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            layer()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1000.0 / repeats
+        best = math.inf
+        # The best of a few rounds: another process on the same core only ever slows a
+        # round down, and placement must not read a neighbour's burst as a slow box
+        # (measured here: two equal pinned peers probed 1.3 and 2.2 ms under load).
+        for _ in range(rounds):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                layer()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) * 1000.0 / repeats)
+    return best

@@ -127,7 +127,8 @@ class Node:
         self.pipeline = Pipeline(lambda: self.store.engine,
                                  on_stage_failed=lambda why: self.leader.view_changed(f"a stage failed: {why}",
                                                                                       urgent=True))
-        self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse)
+        self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
+                                   prefix_entries=config.prefix_cache_entries)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active),

@@ -173,6 +173,10 @@ class StageEngine:
         # Dict pop is atomic; the worker only reads the entry inside a call it already holds.
         self._caches.pop(session, None)
 
+    def drop_all(self) -> None:
+        """Forget every session's caches (atomic, as ``drop``)."""
+        self._caches.clear()
+
     @property
     def sessions(self) -> int:
         return len(self._caches)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.faultlab import Clients, Stream, peer_state, plan_nodes, restart, summarize, wait_status
-from tests.meshlab import Daemon, MeshLab, greedy_reference, http_json_from, plan_spans
+from tests.meshlab import Daemon, MeshLab, complete, greedy_reference, http_json_from, plan_spans
 from tests.netlab import Host, Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(150)]
@@ -138,10 +138,10 @@ def check_stream(fm: FaultMesh, s: Stream, want: list[int], what: str) -> None:
     assert last and last[-1]["finish_reason"] == "length", last
 
 
-def faulted_stream(fm: FaultMesh, entry: Daemon, fault, **extra) -> tuple[Stream, float]:
+def faulted_stream(fm: FaultMesh, entry: Daemon, fault, prompt: str = PROMPT, **extra) -> tuple[Stream, float]:
     """A 64-token stream through ``entry``; ``fault()`` once FAULT_AT tokens arrived. Returns
     the stream (running) and the time of the fault."""
-    s = Stream(entry.url, PROMPT, N, extra).start()
+    s = Stream(entry.url, prompt, N, extra).start()
     s.wait_tokens(FAULT_AT)
     t = time.monotonic()
     fault()
@@ -237,6 +237,29 @@ def test_seeded_sampling_survives_a_stage_sigkill(fm):
     s, _ = faulted_stream(fm, entry, victim.kill, **seeded)
     got = s.join()
     assert got == want, f"seeded stream across SIGKILL\ngot  {got}\nwant {want}" + fm.report()
+
+
+CHAT = "A mesh of small machines shares the layers of one model between its peers"  # ~50 tokens
+
+
+def test_sigkill_of_a_stage_while_a_cached_prefix_is_in_use_loses_no_token(fm):
+    """Turn 2 of a chat takes over turn 1's caches on every stage (the supernode's
+    prefix cache); a stage SIGKILLed in its middle is replayed, and the stream still
+    equals one node's answer to the whole turn-2 prompt."""
+    victim = fm.stage()
+    entry = fm.entry(victim)
+    _, first = complete(entry.url, CHAT, 8)
+    turn2 = CHAT + first["choices"][0]["text"] + " and then?"
+    want = greedy_reference(fm.model_dir, turn2, N)
+    assert len(want) > FAULT_AT + 8, "the turn-2 prompt should run past the fault on the tiny model"
+    before = fm.supernode.status()["node"]["scheduler"]["prefix_cache"]
+    s, _ = faulted_stream(fm, entry, victim.kill, prompt=turn2)
+    got = s.join()
+    assert not s.errors and got == want, (
+        f"turn 2 across SIGKILL\ngot  {got}\nwant {want}\nerrors {s.errors}" + fm.report())
+    after = fm.supernode.status()["node"]["scheduler"]["prefix_cache"]
+    assert after["hits"] == before["hits"] + 1, (before, after)
+    assert after["tokens_saved"] - before["tokens_saved"] >= 16, (before, after)
 
 
 # -- the supernode lost ----------------------------------------------------------------

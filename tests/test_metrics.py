@@ -120,3 +120,24 @@ async def test_status_shows_memory_and_rates(pair):
     assert me["memory"]["rss"] > 10 << 20
     assert me["memory"]["vram_used"] is None  # a CPU peer
     assert me["tokens_per_s"] > 0
+
+
+async def test_a_chats_next_turn_shows_as_a_prefix_cache_hit(pair):
+    sup, peer = pair
+    _, before = await scrape(sup.url)
+    prompt = "A chat whose first turn is long enough to be worth keeping"
+    status, body = await post(peer.url, {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert status == 200
+    turn2 = prompt + json.loads(body)["choices"][0]["text"] + " and then?"
+    status, _ = await post(peer.url, {"prompt": turn2, "max_tokens": 4, "temperature": 0})
+    assert status == 200
+    _, m = await scrape(sup.url)
+    hits = value(m, "meshd_prefix_cache_hits_total") - before.get(("meshd_prefix_cache_hits_total", ()), 0.0)
+    saved = (value(m, "meshd_prefix_cache_tokens_saved_total")
+             - before.get(("meshd_prefix_cache_tokens_saved_total", ()), 0.0))
+    assert hits == 1 and saved >= 16, (hits, saved)
+    assert value(m, "meshd_prefix_cache_entries") >= 1 and value(m, "meshd_prefix_cache_tokens") > 0
+    async with aiohttp.ClientSession() as http:
+        async with http.get(sup.url + "/status") as resp:
+            shown = (await resp.json())["node"]["scheduler"]["prefix_cache"]
+    assert shown["hits"] == value(m, "meshd_prefix_cache_hits_total") and shown["tokens_saved"] >= saved

@@ -150,6 +150,11 @@ class ModelStore:
             old, self.engine = self.engine, engine
             if old is not None:
                 old.close()
+        elif engine is not None:
+            # Kept for a new plan: under a new term every session replays from position 0
+            # (Pipeline.step), so what it holds is rebuilt or garbage (a former supernode's
+            # sessions, cached prefixes of the old term).
+            engine.drop_all()
 
     def discard(self, engine: StageEngine | None) -> None:
         """An engine loaded for a plan that never became active."""

@@ -213,6 +213,19 @@ class _StateCollector:
         sessions = GaugeMetricFamily("meshd_sessions_active", "Generations in flight on this supernode")
         sessions.add_metric([], status["node"]["scheduler"]["active"])
         yield sessions
+        prefix = status["node"]["scheduler"]["prefix_cache"]
+        held = GaugeMetricFamily("meshd_prefix_cache_tokens", "KV positions kept for reuse by finished sessions")
+        held.add_metric([], prefix["tokens"])
+        yield held
+        entries = GaugeMetricFamily("meshd_prefix_cache_entries", "Finished sessions whose KV is kept for reuse")
+        entries.add_metric([], prefix["entries"])
+        yield entries
+        for name, what in (("hits", "New sessions that took over a cached prefix"),
+                           ("misses", "New sessions that found no cached prefix"),
+                           ("tokens_saved", "Prompt positions not computed again thanks to a cached prefix")):
+            counter = CounterMetricFamily(f"meshd_prefix_cache_{name}", what)
+            counter.add_metric([], prefix[name])
+            yield counter
         batch = GaugeMetricFamily("meshd_sessions_batch", "Of those, batch-job lines (interactive ones go first)")
         batch.add_metric([], status["node"]["scheduler"]["batch_sessions"])
         yield batch

@@ -1,6 +1,11 @@
 """Runs one step of a session through the active plan: embed, every span in
 order (local call or a ForwardBatch over that peer's link), then the head.
 
+A prompt longer than a chunk, over a plan of several stages, is prefilled as a
+wavefront (``prefill``): chunk k+1 enters stage A as soon as chunk k has left it,
+so the chunks of one prompt are in flight at several stages at once and time to
+first token falls as stages are added. A replay after a peer loss is the same call.
+
 The retry loop here is one of the three places errors are caught: a step that
 loses a peer waits for the next plan and replays the session's history through
 it, so the caller only ever sees the right next-token logits or NoCapacity.
@@ -25,6 +30,11 @@ log = structlog.get_logger()
 # Prompt rows a session sends per step: bounds frame size, and keeps a long
 # prompt from stalling the streams decoding beside it (chunked prefill).
 PREFILL_CHUNK = 256
+# A pipelined prefill cuts a prompt into about this many chunks per stage, of at least
+# MIN_WAVE_CHUNK rows: with C chunks over S stages it takes (C + S - 1) chunk-times of
+# one stage instead of C * S.
+WAVE_CHUNKS_PER_STAGE = 4
+MIN_WAVE_CHUNK = 64
 MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
 
 
@@ -48,6 +58,7 @@ class Pipeline:
         self._unavailable = "no plan is active yet"
         self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
+        self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
 
     @property
     def plan(self) -> ActivePlan | None:
@@ -71,6 +82,8 @@ class Pipeline:
             if plan is None:
                 self._unavailable = reason or "the mesh has no active plan"
             self._changed.notify_all()
+        if self.on_plan is not None:
+            self.on_plan(plan)
 
     async def _wait_plan(self, newer_than: int | None) -> ActivePlan:
         """The active plan, waiting (bounded) for one whose term is above ``newer_than``."""
@@ -117,6 +130,7 @@ class Pipeline:
             try:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")
+                work = await self._prefill_long(plan, work)
                 hidden = await self._run(plan, work, engine)
                 if self._head_engine() is not engine:
                     raise PeerLost("the head changed during the step (the plan moved)")
@@ -150,9 +164,73 @@ class Pipeline:
                     out[s.id] = token
             return out
 
+    async def prefill(self, session) -> None:
+        """Bring the session's stage caches up to all of its tokens but the last (whose
+        logits a step computes), as a wavefront through the active plan; a no-op where
+        that is at most one chunk or the plan has one stage. PeerLost leaves the session
+        for a step to replay."""
+        plan = self._plan
+        if plan is None:
+            return
+        start = session.cached if session.term == plan.term else 0
+        work = await self._prefill_long(plan, [(session, start, len(session.tokens) - start)])
+        _, start, _ = work[0]
+        session.cached, session.term = start, plan.term
+
+    async def _prefill_long(self, plan: ActivePlan, work: list) -> list:
+        """The sessions of ``work`` with more than a chunk left, prefilled up to their
+        last token as wavefronts side by side; ``work`` with what they have left."""
+        if len(plan.assignments) < 2:
+            return work
+        long = [(s, start) for s, start, _ in work if len(s.tokens) - start > PREFILL_CHUNK]
+        if not long:
+            return work
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for s, start in long:
+                    tg.create_task(self._wavefront(plan, s, start, len(s.tokens) - 1))
+        except* Exception as group:
+            raise _one(group) from None
+        done = {s.id for s, _ in long}
+        return [(s, len(s.tokens) - 1, 1) if s.id in done else (s, start, rows) for s, start, rows in work]
+
+    async def _wavefront(self, plan: ActivePlan, s, start: int, end: int) -> None:
+        """Positions start..end-1 of one session through every stage, chunk k+1 at a
+        stage as soon as chunk k has left it (a stage sees one session's chunks in order)."""
+        engine = self._head_engine()
+        if engine is None:
+            raise PeerLost("this peer holds no head under the plan now")
+        runners = []
+        for a in plan.assignments:
+            if (runner := plan.runners.get(a.node)) is None:
+                raise PeerLost(f"no link to {a.node}")
+            runners.append(runner)
+        # Enough chunks that the wavefront's fill and drain (one chunk per extra stage) is
+        # a small part of it, none so small that per-call costs dominate.
+        size = max(MIN_WAVE_CHUNK, min(PREFILL_CHUNK, -(-(end - start) // (WAVE_CHUNKS_PER_STAGE * len(runners)))))
+        chunks = [(a, min(a + size, end)) for a in range(start, end, size)]
+        left = [[asyncio.Event() for _ in runners] for _ in chunks]  # chunk i has left stage j
+
+        async def chunk(i: int, a: int, b: int) -> None:
+            hidden = await engine.embed(s.tokens[a:b])
+            for j, runner in enumerate(runners):
+                if i:
+                    await left[i - 1][j].wait()
+                hidden = await runner.forward_batch(plan.term, [Segment(s.kv, a, b - a)], hidden)
+                left[i][j].set()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for i, (a, b) in enumerate(chunks):
+                    tg.create_task(chunk(i, a, b))
+        except* Exception as group:
+            raise _one(group) from None
+        log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
+                 stages=len(runners))
+
     async def _run(self, plan: ActivePlan, work: list, engine) -> torch.Tensor:
         tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
-        segments = [Segment(s.id, start, rows) for s, start, rows in work]
+        segments = [Segment(s.kv, start, rows) for s, start, rows in work]
         hidden = await engine.embed(tokens)
         for a in plan.assignments:
             runner = plan.runners.get(a.node)
@@ -163,11 +241,26 @@ class Pipeline:
 
     async def release(self, session) -> None:
         """Free the session's KV caches on every stage of the plan it ran under."""
+        await self.drop([session.kv])
+
+    async def drop(self, keys: list[str]) -> None:
+        """Free these stage cache keys on every stage of the active plan."""
         plan = self._plan
-        if plan is None:
+        if plan is None or not keys:
             return
         for runner in plan.runners.values():
-            try:
-                await runner.drop(plan.term, session.id)
-            except PeerLost:
-                pass  # its caches went with it
+            for key in keys:
+                try:
+                    await runner.drop(plan.term, key)
+                except PeerLost:
+                    break  # its caches went with it
+
+
+def _one(group: BaseExceptionGroup) -> BaseException:
+    """The error a plain step would have raised: a peer loss if there was one (the retry
+    loop replays on it), else the first."""
+    lost = group.subgroup(PeerLost)
+    error: BaseException = lost if lost is not None else group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -23,8 +23,9 @@ from enum import IntEnum
 import structlog
 import torch
 
-from meshd.errors import KNOWN_ERRORS, NoCapacity, StageFailed
-from meshd.serving.pipeline import Pipeline
+from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
+from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
+from meshd.serving.prefix import PrefixCache
 from shards.sampling import Sampler, SamplingParams, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
 
@@ -84,6 +85,12 @@ class Session:
     in_step: bool = False
     released: bool = False
     priority: Priority = Priority.INTERACTIVE
+    # The key of its caches on the stages: its own id, or that of the finished
+    # session whose cached prefix it took over.
+    kv: str = ""
+
+    def __post_init__(self) -> None:
+        self.kv = self.kv or self.id
 
     @property
     def generated(self) -> list[int]:
@@ -135,7 +142,7 @@ class Lane:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None,
-                 on_finished: Callable[[], None] | None = None):
+                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.kv_budget_tokens = kv_budget_tokens
@@ -149,6 +156,9 @@ class Scheduler:
         self.tokens_generated = 0
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
+        self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
+        self._background: set[asyncio.Task] = set()
+        pipeline.on_plan = self._plan_changed
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -173,6 +183,7 @@ class Scheduler:
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
+                    s.term = None  # what its stages hold is unknown now: not for the prefix cache
                     self._finish(s, exc)
             except Exception as exc:  # e.g. a stage's hidden state torch cannot use: these requests fail, the lane goes on
                 log.exception("step_failed", sessions=len(batch))
@@ -209,25 +220,44 @@ class Scheduler:
         return max(1, min(MAX_LANES, stages))
 
     def _admit(self, session: Session) -> None:
+        """Reserve the session's KV positions (prompt + max_tokens), taking over a cached
+        prefix of its tokens if there is one, evicting cached prefixes the request
+        needs room for; NoCapacity when running sessions alone leave too little."""
         need = session.prompt_len + session.params.max_tokens
         budget = self.kv_budget_tokens
-        if budget is not None and self.reserved_tokens + need > budget:
-            raise NoCapacity(
-                f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
-                f"this request needs {need}; retry shortly"
-            )
-        held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
-        others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
-        if budget is not None and others > 0 and held + need > budget * CLIENT_SHARE:
-            raise NoCapacity(
-                f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
-                f"while others may need them), this request needs {need}; retry once one of its requests ends"
-            )
         batch = session.priority is Priority.BATCH
-        if (batch and budget is not None and self.batch_reserved
-                and self.batch_reserved + need > budget * BATCH_KV_SHARE):
-            raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
-                             f"{budget} positions); retry shortly")
+        hit = None
+        plan = self.pipeline.plan
+        if plan is not None and self.prefix.enabled:
+            self._drop_later(self.prefix.stale(plan.term))
+            hit = self.prefix.find(session.tokens, plan.term)
+        if budget is not None:
+            if self.reserved_tokens + need > budget:  # even with the prefix cache emptied
+                raise NoCapacity(
+                    f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
+                    f"this request needs {need}; retry shortly"
+                )
+            held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
+            others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
+            if others > 0 and held + need > budget * CLIENT_SHARE:
+                raise NoCapacity(
+                    f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
+                    f"while others may need them), this request needs {need}; retry once one of its requests ends"
+                )
+            if batch and self.batch_reserved and self.batch_reserved + need > budget * BATCH_KV_SHARE:
+                raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
+                                 f"{budget} positions); retry shortly")
+            taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
+            evicted = []
+            while self.reserved_tokens + self.prefix.tokens - taken + need > budget:
+                evicted.append(self.prefix.evict_one(keep=hit.key if hit is not None else None))
+            self._drop_later(evicted)
+        if hit is not None:
+            self.prefix.take(hit)
+            session.kv, session.cached, session.term = hit.key, hit.reuse, plan.term
+            log.info("prefix_cache_hit", reused=hit.reuse, tokens=len(session.tokens))
+        elif self.prefix.enabled:
+            self.prefix.miss()
         session.reserved = need
         self.reserved_tokens += need
         if batch:
@@ -238,14 +268,63 @@ class Scheduler:
             for key in (session.client, ("request", session.request)):
                 self.reserved_by[key] = self.reserved_by.get(key, 0) + need
         self.active[session.id] = session
+        if plan is not None and len(plan.assignments) > 1 and len(session.tokens) - session.cached > PREFILL_CHUNK:
+            self._spawn(self._prefill_then_enqueue(session))
+        else:
+            self._enqueue(session)
+
+    def _enqueue(self, session: Session) -> None:
         lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
         lane.sessions.append(session)
         lane.wake.set()
 
+    async def _prefill_then_enqueue(self, session: Session) -> None:
+        """A long prompt over several stages: its chunks in flight at every stage at once
+        (``Pipeline.prefill``), beside the lanes' steps rather than in one (which would hold
+        that lane's running streams for the whole prompt); then into a lane for its last
+        token and the decode."""
+        session.in_step = True
+        try:
+            await self.pipeline.prefill(session)
+        except PeerLost:
+            session.term = None  # a lane's step replays it under the next plan
+        except KNOWN_ERRORS as exc:
+            session.term = None
+            self._finish(session, exc)
+        finally:
+            session.in_step = False
+        if session.finished:
+            await self._release(session)
+        else:
+            self._enqueue(session)
+
     async def _release(self, session: Session) -> None:
-        if not session.released and not session.in_step:
-            session.released = True
-            await self.pipeline.release(session)
+        """Free the session's stage caches once no step holds it: keep them as a cached
+        prefix when they are whole under the active plan, else drop them."""
+        if session.released or session.in_step:
+            return
+        session.released = True
+        plan = self.pipeline.plan
+        if plan is not None and session.term == plan.term and session.cached > 0 and self.prefix.enabled:
+            drop = self.prefix.stale(plan.term)
+            drop += self.prefix.put(session.kv, session.tokens[:session.cached], plan.term)
+        else:
+            drop = [session.kv]
+        await self.pipeline.drop(drop)
+
+    def _plan_changed(self, plan) -> None:
+        """A new term invalidates the cached prefixes (a kept engine forgets them itself too)."""
+        self._drop_later(self.prefix.stale(plan.term if plan is not None else None))
+
+    def _drop_later(self, keys: list[str]) -> None:
+        """Drop stage caches from a synchronous path (admission) without waiting for it."""
+        if keys:
+            self._spawn(self.pipeline.drop(keys))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _finish(self, session: Session, error: BaseException | None) -> None:
         """Take the session out of its lane; its generator sees the end (or the error)."""

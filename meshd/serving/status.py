@@ -38,6 +38,7 @@ def build_status(node: Daemon) -> dict:
             "kv_budget": scheduler.kv_budget_tokens,
             "batch_sessions": len(scheduler.active) - scheduler.interactive,
             "replays": node.pipeline.replays,
+            "prefix_cache": scheduler.prefix.stats(),
         },
         **node.metrics.status_fields(),  # memory in use, tokens/s
     }

