@@ -5,7 +5,9 @@
   the oldest idle connections are closed for new ones, and no traceback is logged;
 - deeply nested JSON and a 5000-digit integer: 400 with OpenAI's error shape, not 500;
 - one client cannot hold the whole KV budget: its second request waits (503) while
-  another client's is admitted;
+  another client's is admitted; through an entry peer too (the client it serves for
+  travels over the sealed tunnel), and a request that names a client in X-Meshd-Client
+  without coming through the tunnel is counted as itself;
 - a prompt longer than the context could hold is refused before tokenizing, and long
   prompts being tokenized leave /healthz answering within 1 s (on the real model).
 """
@@ -21,8 +23,9 @@ import time
 import aiohttp
 import pytest
 
+from meshd.control.tunnel import CLIENT_HEADER, TUNNEL_HEADER
 from tests.fixtures.api import assert_error_body
-from tests.fixtures.daemon import http_get, running_daemon, running_node
+from tests.fixtures.daemon import http_get, linked_pair, running_daemon, running_node
 
 IDLE = 1100
 
@@ -138,6 +141,58 @@ async def test_one_client_cannot_hold_the_whole_kv_budget(tiny_model_dir, tmp_pa
         while served.node.scheduler.reserved_by and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert served.node.scheduler.reserved_by == {} and served.node.scheduler.reserved_tokens == 0
+
+
+def from_address(ip: str) -> aiohttp.ClientSession:
+    """A client whose connections come from ``ip`` (any of 127.0.0.0/8 is this host)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(ip, 0)))
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_fairness_counts_the_client_an_entry_peer_serves_and_no_claimed_one(tiny_model_dir, tmp_path):
+    """Client A (127.0.0.2) streams through the entry peer and holds its share of the
+    supernode's KV budget. The supernode counts it as A, not as the tunnel's loopback
+    caller: A's next request through the entry waits (503) while B (127.0.0.3) through
+    the same entry gets in. Straight to the supernode, X-Meshd-Client (with no tunnel
+    token, or a wrong one) is not believed: A calling itself someone else still waits,
+    and B calling itself A still gets in."""
+    a_id, b_id = "addr:127.0.0.2", "addr:127.0.0.3"
+    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=400, debug_layer_delay_ms=5.0) as (sup, entry), \
+            from_address("127.0.0.2") as a, from_address("127.0.0.3") as b:
+        reserved = sup.node.scheduler.reserved_by
+
+        def body(n: int, stream: bool = False) -> dict:
+            return {"prompt": "A mesh of small machines", "max_tokens": n, "temperature": 0, "stream": stream}
+
+        async def refused(http: aiohttp.ClientSession, url: str, headers: dict | None = None) -> None:
+            async with http.post(url + "/v1/completions", json=body(50), headers=headers) as resp:
+                data = await resp.json()
+                assert resp.status == 503, (headers, data)
+                assert_error_body(data)
+                assert "this client holds" in data["error"]["message"], data
+
+        async def admitted(http: aiohttp.ClientSession, url: str, headers: dict | None = None) -> None:
+            async with http.post(url + "/v1/completions", json=body(4), headers=headers) as resp:
+                data = await resp.json()
+                assert resp.status == 200, (headers, data)
+                assert len(data["choices"][0]["token_ids"]) > 0
+
+        async with a.post(entry.url + "/v1/completions", json=body(150, True)) as first:
+            assert first.status == 200
+            await first.content.readline()  # admitted and running on the supernode
+            assert reserved.get(a_id, 0) > 150, reserved  # the entry's client, over the tunnel
+            assert "addr:127.0.0.1" not in reserved, reserved  # not the tunnel's loopback call
+            await refused(a, entry.url)
+            await admitted(b, entry.url)
+            for forged in ({CLIENT_HEADER: b_id}, {CLIENT_HEADER: b_id, TUNNEL_HEADER: "0" * 64}):
+                await refused(a, sup.url, forged)  # counted under its own address: still A
+                await admitted(b, sup.url, forged | {CLIENT_HEADER: a_id})  # B is not made A
+            assert set(k for k in reserved if isinstance(k, str)) == {a_id}, reserved
+        # A hung up at the entry: the supernode's session was cancelled through the link.
+        deadline = time.monotonic() + 10
+        while reserved and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert reserved == {} and sup.node.scheduler.reserved_tokens == 0
 
 
 @pytest.mark.asyncio(loop_scope="function")

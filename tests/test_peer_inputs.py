@@ -15,7 +15,6 @@ then refuses a shard that is a symlink.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -30,14 +29,17 @@ import pytest
 import torch
 from aiohttp import web
 
-from meshd.control.peers import CLOSE_PROTOCOL, LocalIdentity, handshake
+from meshd.control.peers import CLOSE_PROTOCOL
+from meshd.control.transfer import AUTH_HEADER, files_path, files_token
 from meshd.errors import ProtocolError
 from protocol.codec import decode, encode
 from protocol.messages import (
     MAX_TERM,
     Accept,
+    ApiCancel,
+    ApiReply,
+    ApiRequest,
     Assignment,
-    Auth,
     Bye,
     Capabilities,
     Commit,
@@ -58,6 +60,7 @@ from protocol.messages import (
 from shards.manifest import MANIFEST_FILE, Manifest
 from shards.span import Span
 from tests.fixtures.daemon import free_port, running_node
+from tests.sealed import sealed_peer
 
 GiB = 1 << 30
 HUGE = 2**64 - 1
@@ -90,45 +93,9 @@ class Attacker:
         await web.TCPSite(runner, "127.0.0.1", self.port).start()
         return runner
 
-    @contextlib.asynccontextmanager
-    async def link(self, http: aiohttp.ClientSession):
-        me = LocalIdentity(self.node_id, "pytest-attacker", "home", self.secret)
-        caps = Capabilities(vram=self.vram, ram=0, device="cpu", api_port=self.port, mem_budget=0, layer_ms=0.0)
-        async with http.ws_connect(self.url + "/mesh/ws", max_msg_size=64 << 20, compress=0) as ws:
-            await handshake(ws, me, caps)
-            yield Wire(ws)
-
-
-class Wire:
-    """The attacker's end of an authenticated link: frames by hand, replies as they come
-    (the one place that knows how frames travel on the link)."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse):
-        self.ws = ws
-
-    async def send_raw(self, frame: bytes) -> None:
-        await self.ws.send_bytes(frame)
-
-    async def send(self, msg) -> None:
-        await self.send_raw(encode(msg))
-
-    @property
-    def close_code(self) -> int | None:
-        return self.ws.close_code
-
-    async def next_reply(self, timeout: float = 10.0):
-        """The next message that is not a Ping (answered) or one of the node's own Plans,
-        or None once the link is closed."""
-        async with asyncio.timeout(timeout):
-            while True:
-                frame = await self.ws.receive()
-                if frame.type != aiohttp.WSMsgType.BINARY:
-                    return None
-                msg = decode(frame.data)
-                if isinstance(msg, Ping):
-                    await self.send(Pong(msg.seq, msg.sent))
-                elif not isinstance(msg, Plan):
-                    return msg
+    def link(self, http: aiohttp.ClientSession):
+        """A sealed link as this member (the real Noise handshake): a ``SealedPeer``."""
+        return sealed_peer(http, self.url, self.secret, vram=self.vram, node_id=self.node_id, api_port=self.port)
 
 
 async def healthz_within_1s(http: aiohttp.ClientSession, url: str) -> int:
@@ -136,6 +103,11 @@ async def healthz_within_1s(http: aiohttp.ClientSession, url: str) -> int:
     async with http.get(url + "/healthz", timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
         assert time.monotonic() - t0 < 1.0
         return resp.status
+
+
+def member_token(secret: bytes, path: str) -> dict[str, str]:
+    """A shard-file request's single-use token, as a member of the mesh makes one."""
+    return {AUTH_HEADER: files_token(secret, "pytest-member", path)}
 
 
 def tampered(msg, **fields) -> bytes:
@@ -152,11 +124,12 @@ def bad_frames(outside: Path) -> list[tuple[str, bytes]]:
     seg = Segment(SessionId("s1"), 0, 1)
     plan = Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),))
     caps = Capabilities(vram=1, ram=1, device="cpu", api_port=1, mem_budget=1, layer_ms=1.0, models=("tiny",))
-    samples = [Hello(1, NodeId("a"), "home", "n", b"\0" * 16, caps), Auth(b"\0" * 32),
+    samples = [Hello(1, NodeId("a"), "home", "n", caps),
                Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),)),
                Accept(1, Span(0, 1)), Reject(1, "no"), Commit(1), ForwardBatch(1, 1, (seg,), hidden),
                ResultBatch(1, 1, hidden), Fail(1, 1, "x"), Drop(1, SessionId("s1")), Bye("x"), Ping(1, 1.0),
-               Pong(1, 1.0)]
+               Pong(1, 1.0), ApiRequest(1, "POST", "/v1/completions", b"{}", "Bearer k", "c"),
+               ApiReply(1, 200, b"{}", 1), ApiCancel(1)]
     out = []
     for msg in samples:
         frame = msgpack.unpackb(encode(msg), raw=False)
@@ -228,10 +201,10 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
             async with quiet.link(http) as wire:
                 await wire.send_raw(raw)
                 await wire.send(Ping(1, 1.0))  # a live link answers it
-                reply = await wire.next_reply()
+                reply = await wire.reply()
                 if reply is None:
                     closed += 1
-                    assert wire.close_code in (CLOSE_PROTOCOL, 4005), (name, wire.close_code)
+                    assert wire.ws.close_code in (CLOSE_PROTOCOL, 4005), (name, wire.ws.close_code)
             assert not served.task.done(), f"{name} ended the node"
             assert await healthz_within_1s(http, served.url) in (200, 503), name
         assert closed >= len(bad_frames(outside)) // 2
@@ -260,7 +233,7 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
                 evil.files[(manifest.name, MANIFEST_FILE)] = zero
                 term = node.view.term + 1
                 await wire.send(plan(term, manifest.name, hashlib.sha256(zero).hexdigest()))
-                reply = await wire.next_reply(20)
+                reply = await wire.reply(20)
                 assert isinstance(reply, Reject) and reply.code is RejectCode.CANNOT_LOAD, reply
                 assert "n_kv_heads" in reply.reason, reply.reason  # the fetch's error travels in the reason
 
@@ -276,7 +249,7 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
                 evil.files[(manifest.name, MANIFEST_FILE)] = raw
                 digest = hashlib.sha256(raw).hexdigest()
                 await wire.send(plan(term + 1, manifest.name, digest))
-                reply = await wire.next_reply(30)
+                reply = await wire.reply(30)
                 assert isinstance(reply, Reject) and reply.code is RejectCode.CANNOT_LOAD, reply  # junk shards
                 assert tree_digest(own_model) == own_before, "the peer's own model was changed"
                 fetched = state / "models" / ".by-digest" / digest
@@ -284,7 +257,7 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
 
                 # 2c. A path for a name and a term at the bound: refused, nothing written.
                 await wire.send_raw(tampered(plan(term + 2, manifest.name, digest), model=str(outside / "x")))
-                assert await wire.next_reply() is None and wire.close_code == CLOSE_PROTOCOL
+                assert await wire.reply() is None and wire.ws.close_code == CLOSE_PROTOCOL
             assert not any(outside.iterdir())
             assert not served.task.done()
             assert await healthz_within_1s(http, served.url) in (200, 503)
@@ -292,7 +265,7 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
             async with quiet.link(http) as wire:
                 await wire.send(Reject(1, "stale", code=RejectCode.STALE_TERM, held_term=MAX_TERM))
                 await wire.send(Ping(2, 1.0))
-                assert isinstance(await wire.next_reply(), Pong)
+                assert isinstance(await wire.reply(), Pong)
             assert node.view.term < MAX_TERM
         finally:
             await runner.cleanup()
@@ -312,11 +285,11 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
         real.rename(kept)
         real.symlink_to(kept)
         try:
-            path = f"/mesh/files/{manifest.name}/{name}"
-            async with http.get(served.url + path, headers=node.mesh_auth(path)) as resp:
+            path = files_path(manifest.name, name)
+            async with http.get(served.url + path, headers=member_token(node.secret, path)) as resp:
                 assert resp.status == 403, resp.status
-            path = f"/mesh/files/{manifest.name}/{MANIFEST_FILE}"
-            async with http.get(served.url + path, headers=node.mesh_auth(path)) as resp:
+            path = files_path(manifest.name, MANIFEST_FILE)
+            async with http.get(served.url + path, headers=member_token(node.secret, path)) as resp:
                 assert resp.status == 200 and await resp.read() == manifest.to_bytes()
         finally:
             real.unlink()

@@ -19,26 +19,12 @@ from structlog.testing import capture_logs
 
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
 from tests.fixtures.api import PROMPT, greedy, post
-from tests.fixtures.daemon import running_node
+from tests.fixtures.daemon import linked_pair, running_node
 from tests.meshlab import greedy_reference
 from tests.inproc import GiB, until
 
 pytestmark = pytest.mark.timeout(120)
 TOKENS = 24
-
-
-@contextlib.asynccontextmanager
-async def pair(tiny_model_dir, tmp_path, **sup_flags):
-    secret = tmp_path / "secret"
-    secret.write_text(secrets.token_hex(32))
-    secret.chmod(0o600)
-    async with running_node(tiny_model_dir, tmp_path / "sup", name="sup", advertise_vram=8 * GiB,
-                            secret_file=secret, **sup_flags) as sup:
-        port = sup.url.rsplit(":", 1)[1]
-        async with running_node(tiny_model_dir, tmp_path / "entry", name="entry", advertise_vram=4 * GiB,
-                                secret_file=secret, peer=(f"127.0.0.1:{port}",)) as entry:
-            await until(lambda: entry.node.serves() and not entry.node.view.is_supernode, timeout=30)
-            yield sup, entry
 
 
 async def stream(http: aiohttp.ClientSession, url: str, body: dict, on_event=None,
@@ -62,7 +48,7 @@ def token_ids(events: list) -> list[int]:
 
 
 async def test_the_entry_peer_answers_what_the_supernode_answers(tiny_model_dir, tmp_path):
-    async with pair(tiny_model_dir, tmp_path) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             body = greedy(max_tokens=12) | {"n": 2}
             status, direct = await post(http, sup.url, body)
@@ -83,7 +69,7 @@ async def test_the_entry_peer_answers_what_the_supernode_answers(tiny_model_dir,
 
 async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, tmp_path):
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, TOKENS)
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
         term = entry.node.current_term()
 
         async def kill_after_a_few(events: list) -> None:
@@ -122,7 +108,7 @@ async def test_forwarded_requests_meet_the_supernodes_keys_and_file_tokens_are_s
     keys = tmp_path / "keys"
     keys.write_text("k-" + secrets.token_hex(8) + "\n")
     key = keys.read_text().strip()
-    async with pair(tiny_model_dir, tmp_path, api_key_file=keys, debug_layer_delay_ms=5.0) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, api_key_file=keys, debug_layer_delay_ms=5.0) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             status, data = await post(http, entry.url, greedy(max_tokens=4))
             assert status == 401 and "API key" in data["error"]["message"], (status, data)
@@ -178,7 +164,7 @@ def after_tokens(k: int):
 async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
     """The supernode's KV budget is full: through the entry peer the client gets the 503
     (whole or streamed), not a 200 with empty text and no finish reason."""
-    async with pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             body = greedy(max_tokens=64)
             for stream_it in (False, True):
@@ -197,7 +183,7 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
     waiting out a timer."""
     n = 48
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0) as (sup, entry):
         port = lambda served: served.url.rsplit(":", 1)[1]  # noqa: E731
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             started, note = after_tokens(4)
@@ -230,7 +216,7 @@ async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp
     n = 64
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
     drain_s = 1.2
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=15.0, drain_timeout_s=drain_s) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             started, note = after_tokens(4)
             with capture_logs() as logs:
@@ -259,7 +245,7 @@ async def test_sampling_fields_and_a_grammar_survive_a_resubmit(tiny_model_dir, 
             "frequency_penalty": 0.8, "presence_penalty": 0.3, "repetition_penalty": 1.2, "top_k": 40,
             "min_p": 0.02, "logit_bias": {"50": -100}, "max_tokens": 60,
             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
-    async with pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
             status, whole = await post(http, sup.url, body, path="/v1/chat/completions")
             assert status == 200, whole
