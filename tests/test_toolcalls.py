@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from meshd.serving import toolcalls
 from meshd.serving.toolcalls import HERMES, LLAMA3, MISTRAL, CallParser, call_grammar, parse_calls, tool_format
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams
@@ -63,3 +64,22 @@ def test_forced_call_grammar_makes_random_logits_a_valid_call(tiny_model_dir):
         out.append(t)
     content, calls = parse_calls(HERMES, tok.decode(out))
     assert len(calls) == 1 and json.loads(calls[0].arguments)["city"] in ("Paris", "Lima"), tok.decode(out)
+
+
+def test_forced_call_schemas_are_closed_where_they_say_nothing():
+    """A forced call holds the declared parameters: objects that list properties and say
+    nothing of others are closed (a 135M model under an open mask invented keys until
+    max_tokens, and LangChain's function_calling got None); explicit choices stand."""
+    params = {"type": "object", "properties": {
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {}, "additionalProperties": True},
+    }, "$defs": {"D": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    out = toolcalls.closed(params)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["where"]["additionalProperties"] is False
+    assert out["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert out["properties"]["extra"]["additionalProperties"] is True
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in params  # the client's schema is left as it was

@@ -114,6 +114,29 @@ def _args(fn: Mapping):
 
 # -- forcing a call -------------------------------------------------------------------
 
+def closed(schema):
+    """``schema`` with every object that lists its properties and says nothing of others
+    closed to others (``additionalProperties: false``), as OpenAI's strict mode reads a
+    schema: a forced call holds the parameters the function declares. Left open, a small
+    model under the mask tends to invent property after property until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "allOf", "not", "prefixItems", "additionalProperties",
+                         "if", "then", "else", "contains"})
+
+
 def call_grammar(fmt: str, tools: Sequence[Mapping], parallel: bool, special_id=None) -> str:
     """A grammar whose every sentence is one call (or several, if ``parallel``) of one of
     ``tools`` (OpenAI function definitions), in ``fmt``, the arguments matching each schema."""
@@ -122,7 +145,7 @@ def call_grammar(fmt: str, tools: Sequence[Mapping], parallel: bool, special_id=
     for i, t in enumerate(tools):
         fn = t["function"]
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                   args_key: fn.get("parameters") or {"type": "object"}},
+                                                   args_key: closed(fn.get("parameters") or {"type": "object"})},
                   "required": ["name", args_key], "additionalProperties": False}
         rules.append(f"fn{i}: {json_lark(schema)}")
     alts = " | ".join(f"fn{i}" for i in range(len(tools)))
