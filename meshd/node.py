@@ -267,7 +267,13 @@ class Node:
         what it belongs to (the ``link`` whose message it serves, closed with the reason),
         never the group, which would stop the daemon."""
         assert self._tg is not None
-        return self._tg.create_task(_guarded(coro, link))
+        task = _guarded(coro, link)
+        try:
+            return self._tg.create_task(task)
+        except RuntimeError:  # the group is shutting down: nothing new starts, the node stops
+            task.close()
+            coro.close()
+            raise PeerLost("this peer is stopping") from None
 
     # -- messages ------------------------------------------------------------------
 

@@ -31,7 +31,8 @@ from aiohttp import web
 
 from meshd.control.peers import CLOSE_PROTOCOL
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
-from meshd.errors import ProtocolError
+from meshd.errors import PeerLost, ProtocolError
+from meshd.node import Node
 from protocol.codec import decode, encode
 from protocol.messages import (
     MAX_TERM,
@@ -295,3 +296,21 @@ async def test_a_member_sending_bad_values_ends_nothing_and_writes_nothing(own_m
             real.unlink()
             kept.rename(real)
     assert tree_digest(own_model) == own_before
+
+
+async def test_a_message_that_arrives_while_the_node_stops_closes_its_link_quietly():
+    """Work a message asks for once the node's group is shutting down (a member's tunnelled
+    request during the stop) is a PeerLost, which closes that one link, not a RuntimeError
+    logged as a failed message with a coroutine never awaited."""
+    node = Node.__new__(Node)  # only the group matters to spawn
+    async with asyncio.TaskGroup() as group:
+        pass
+    node._tg = group
+
+    async def work() -> None:
+        raise AssertionError("must not run")
+
+    coro = work()
+    with pytest.raises(PeerLost, match="stopping"):
+        node.spawn(coro)
+    assert coro.cr_frame is None  # closed, so no "never awaited" warning
