@@ -401,11 +401,7 @@ class Node:
         await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
         data = json.dumps(body).encode()
         if self.view.is_supernode:
-            headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
-            if client:
-                headers |= {tunnel.TUNNEL_HEADER: self.local_token, tunnel.CLIENT_HEADER: client}
-            if request_id:
-                headers["X-Request-Id"] = request_id
+            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id)
             async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
                                       timeout=timeout) as up:
                 yield up

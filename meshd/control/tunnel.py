@@ -30,10 +30,10 @@ from protocol.messages import ApiCancel, ApiReply, ApiRequest
 
 log = structlog.get_logger()
 
-# What a member may ask of the supernode's API through the tunnel.
 TUNNEL_HEADER = "X-Meshd-Tunnel"  # this process's local token: the request came over a sealed link
 CLIENT_HEADER = "X-Meshd-Client"  # the client a member forwards for (trusted only with TUNNEL_HEADER)
 MAX_CLIENT = 128
+# What a member may ask of the supernode's API through the tunnel.
 TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain"})
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
 
@@ -41,6 +41,22 @@ _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
 def plain_header(value: str) -> bool:
     """Printable ASCII of a sane length: what an Authorization header may be, to travel on."""
     return _HEADER_VALUE.fullmatch(value) is not None
+
+
+def loopback_headers(local_token: str, authorization: str = "", client: str = "",
+                     request_id: str = "") -> dict[str, str]:
+    """The headers of a call to this process's own API on behalf of an entry peer's client
+    (one that came over a link, or the proxy's own when this peer is the supernode): the
+    client's key as given, so the API keys apply, and the tunnel's mark (this process's
+    own token), with which the API believes the client named (KV fairness)."""
+    headers = {"Content-Type": "application/json", TUNNEL_HEADER: local_token}
+    if authorization:
+        headers["Authorization"] = authorization
+    if client and len(client) <= MAX_CLIENT and plain_header(client):
+        headers[CLIENT_HEADER] = client
+    if request_id and len(request_id) <= MAX_CLIENT and plain_header(request_id):
+        headers["X-Request-Id"] = request_id
+    return headers
 
 
 class TunnelResponse:
@@ -151,15 +167,7 @@ class TunnelServer:
             raise
 
     async def _loopback(self, link: Link, msg: ApiRequest) -> None:
-        # The tunnel's mark (this process's own token) lets the API trust the client the
-        # member names, for KV fairness; the client's key is still checked as given.
-        headers = {"Content-Type": "application/json", TUNNEL_HEADER: self._local_token}
-        if msg.authorization:
-            headers["Authorization"] = msg.authorization
-        if msg.client and len(msg.client) <= MAX_CLIENT and plain_header(msg.client):
-            headers[CLIENT_HEADER] = msg.client
-        if msg.request_id and len(msg.request_id) <= MAX_CLIENT and plain_header(msg.request_id):
-            headers["X-Request-Id"] = msg.request_id
+        headers = loopback_headers(self._local_token, msg.authorization, msg.client, msg.request_id)
         status = 502
         try:
             async with self._http().post(self._own_url() + msg.path, data=msg.body, headers=headers, ssl=False,
