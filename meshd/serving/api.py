@@ -296,9 +296,9 @@ async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, ses
     except SupernodeChanged as exc:
         if not _hands_on(request, node, req, exc):
             raise
-        ids, text = list(acc.first_ids), "".join(acc.parts[0]["text"]) if 0 in acc.parts else ""
-        log.info("session_handed_on", tokens=len(ids), reason=str(exc))
-        return await proxy_completion(node, request, body, req.chat, Handoff(cid, None, ids, text))
+        log.info("session_handed_on", tokens=len(acc.first_ids), reason=str(exc))
+        return await proxy_completion(node, request, body, req.chat,
+                                      Handoff(cid, None, list(acc.first_ids), acc.first_text))
     return web.json_response(response_json(req, cid, acc.choices(), _prompt_tokens(req), usage.completion_tokens,
                                            fingerprint(req.model)))
 
@@ -308,17 +308,14 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
     fp = fingerprint(req.model)
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    queue: asyncio.Queue[tuple[dict, tuple[int, ...], str] | None] = asyncio.Queue()
-    sent_ids, sent_text = [], []  # of choice 0, what the client has been sent
-
+    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+    sent = Assembler(req.chat)  # what the client has been sent (a yield hands it on)
     usage = Usage()
 
     async def one(index: int) -> None:
         try:
             async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
-                text = (choice.get("delta") or {}).get("content") if req.chat else choice.get("text")
-                await queue.put((chunk_json(req, cid, choice, fp), choice["token_ids"] if index == 0 else (),
-                                 (text or "") if index == 0 else ""))
+                await queue.put(chunk_json(req, cid, choice, fp))
         finally:
             await queue.put(None)
 
@@ -335,10 +332,8 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
             if item is None:
                 finished += 1
             else:
-                data, ids, text = item
-                await resp.write(sse(data))
-                sent_ids.extend(ids)
-                sent_text.append(text)
+                await resp.write(sse(item))
+                sent.add(item)
         if req.include_usage:
             final = response_json(req, cid, [], _prompt_tokens(req), usage.completion_tokens, fp)
             final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
@@ -361,9 +356,9 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
         log.info("client_gone", path=request.path)
         return resp
     if _hands_on(request, node, req, failure):
-        log.info("session_handed_on", tokens=len(sent_ids), reason=str(failure))
+        log.info("session_handed_on", tokens=len(sent.first_ids), reason=str(failure))
         return await proxy_completion(node, request, body, req.chat,
-                                      Handoff(cid, resp, sent_ids, "".join(sent_text)))
+                                      Handoff(cid, resp, list(sent.first_ids), sent.first_text))
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
         status = 503 if isinstance(failure, NoCapacity) else 500

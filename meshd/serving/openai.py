@@ -608,8 +608,8 @@ class Assembler:
         return self.parts[0]["ids"] if 0 in self.parts else []
 
     @property
-    def started(self) -> bool:
-        return any(p["ids"] for p in self.parts.values())
+    def first_text(self) -> str:
+        return "".join(self.parts[0]["text"]) if 0 in self.parts else ""
 
     def choices(self) -> list[dict]:
         out = []

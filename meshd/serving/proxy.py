@@ -52,10 +52,7 @@ class _Answer(Assembler):
 
     def seed(self, ids: list[int], text: str = "") -> None:
         """Choice 0 begins with these tokens (and text): already sent, or the client's own."""
-        part = self.parts.setdefault(0, {"text": [], "ids": [], "calls": {}, "lp": None, "finish": None})
-        part["ids"].extend(ids)
-        if text:
-            part["text"].append(text)
+        self.add({"choices": [{"index": 0, "token_ids": ids, "text": text, "delta": {"content": text}}]})
 
     @property
     def generated(self) -> bool:
