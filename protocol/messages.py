@@ -39,6 +39,24 @@ MAX_POSITION = 2**31  # a session position (a segment's start)
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """What one model's real parts cost on a peer, ms per decode step (0: not measured):
+    a layer and the head (final norm, lm_head, picking the token) at one row and at
+    ``batch`` rows. Placement balances stages on these rather than on the synthetic probe."""
+
+    model: str = ""  # the model's name these figures are of
+    layer_ms: float = 0.0
+    layer_ms_batch: float = 0.0
+    head_ms: float = 0.0
+    head_ms_batch: float = 0.0
+    batch: int = field(default=1, metadata={"max": 4096})
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.model) and min(self.layer_ms, self.layer_ms_batch, self.head_ms, self.head_ms_batch) > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a peer offers, sent inside its Hello."""
 
@@ -49,6 +67,7 @@ class Capabilities:
     mem_budget: int  # bytes it will spend on layers
     layer_ms: float  # measured decode time of one layer, ms
     models: tuple[ModelName, ...] = ()  # models it has complete locally
+    measured: Measured = Measured()  # its configured model's real parts, timed (an older peer sends none)
 
 
 @dataclass(frozen=True, slots=True)

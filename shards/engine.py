@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -239,26 +240,83 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
 
 
 def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dtype,
-                budget_s: float, context: int) -> float:
-    cache = KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev)
-    x = torch.randn(context, cfg.hidden_size, device=dev, dtype=dt)
-    cos, sin = layer_cos_sin(cfg, block.sliding, [(0, context)], dev, dt)
-    block(x, cos, sin, [(0, context, cache)])  # prefill a short context, also the warm-up
-    one = x[:1]
+                budget_s: float, context: int, batch: int = 1) -> float:
+    """Median ms of one decode step of ``batch`` sessions (``context`` cached positions
+    each) through ``block``."""
+    caches = [KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev) for _ in range(batch)]
+    x = torch.randn(context * batch, cfg.hidden_size, device=dev, dtype=dt)
+    cos, sin = layer_cos_sin(cfg, block.sliding, [(0, context)] * batch, dev, dt)
+    block(x, cos, sin, [(0, context, cache) for cache in caches])  # prefill the contexts, also the warm-up
+    rows = x[:batch]
+    c, s = layer_cos_sin(cfg, block.sliding, [(context, 1)] * batch, dev, dt)
+    segments = [(context, 1, cache) for cache in caches]
+
+    def step() -> None:
+        for cache in caches:
+            cache.truncate(context)
+        block(rows, c, s, segments)
+
+    for _ in range(3):  # the first calls of a fresh process pay for allocations and lazy set-up
+        step()
+    return _median_ms(step, dev, budget_s)
+
+
+def _median_ms(fn: Callable[[], object], dev: torch.device, budget_s: float, most: int = 200) -> float:
+    """The median ms of ``fn`` over as many calls as fit ``budget_s`` (at least 3): the
+    median, because a neighbour on the same core only ever slows some calls down."""
     times = []
     deadline = time.perf_counter() + budget_s
     while time.perf_counter() < deadline or len(times) < 3:
-        cache.truncate(context)
-        c, s = cos[-1:], sin[-1:]
         _sync(dev)
         t0 = time.perf_counter()
-        block(one, c, s, [(context, 1, cache)])
+        fn()
         _sync(dev)
         times.append(time.perf_counter() - t0)
-        if len(times) >= 200:
+        if len(times) >= most:
             break
     times.sort()
     return 1000.0 * times[len(times) // 2]
+
+
+# The decode batch placement weighs a step at: what 16 streams over a 2-stage plan
+# (two lanes of 8) up to one lane of 16 give each stage per step.
+DECODE_BATCH = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PartTimes:
+    """What the real parts of a model cost on this box, ms per decode step: one layer,
+    and the head (final norm, lm_head and picking a token from the logits), at batch 1
+    and at ``batch`` rows."""
+
+    layer_ms: float
+    layer_ms_batch: float
+    head_ms: float
+    head_ms_batch: float
+    batch: int
+
+
+def measure_parts(model_dir: Path, device: str = "auto", dtype: str | torch.dtype = "auto",
+                  batch: int = DECODE_BATCH, budget_s: float = 0.12, context: int = 64) -> PartTimes:
+    """Time this model's first layer and its head as this box runs them (its quantized
+    kernels, its dtype, its threads), from the shard files alone: a layer and the head
+    are loaded (unverified: nothing computed here is ever served) and dropped again."""
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    stage, manifest = load_stage(model_dir, Span(0, 1), embed=True, head=True, device=dev, dtype=dt, verify=False)
+    cfg = manifest.config
+    block = stage.layers["0"]
+    with torch.inference_mode():
+        layer = [_time_block(block, cfg, dev, dt, budget_s, context, b) for b in (1, batch)]
+        x = torch.randn(batch, cfg.hidden_size, device=dev, dtype=dt)
+        head = []
+        for n in (1, batch):
+            def pick(n: int = n) -> None:
+                stage.head(x[:n]).argmax(-1).cpu()
+            for _ in range(2):
+                pick()
+            head.append(_median_ms(pick, dev, budget_s))
+    return PartTimes(layer[0], layer[1], head[0], head[1], batch)
 
 
 def _sync(dev: torch.device) -> None:

@@ -26,7 +26,7 @@ import structlog
 from meshd.config import Config
 from meshd.control.election import accepts_plan, next_term
 from meshd.control.mesh import MeshView, NotServing, plan_json
-from meshd.control.placement import Costs, place, replan
+from meshd.control.placement import Costs, place, replan, stage_ms
 from meshd.control.runner import StageRunner
 from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost
@@ -195,9 +195,11 @@ class Leader:
         while True:
             term = next_term(view.term)
             view.hold_term(term)
-            candidates = [c for c in view.candidates() if c.node_id not in excluded and c.node_id not in view.draining]
+            candidates = [c for c in view.candidates_for(manifest.name)
+                          if c.node_id not in excluded and c.node_id not in view.draining]
             alive = {c.node_id for c in candidates}
-            costs = Costs.of_model(manifest, view.node_id, view.caps.layer_ms, view.hop_ms())
+            me = next(c for c in candidates if c.node_id == view.node_id)
+            costs = Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
             try:
                 if view.plan is not None:
                     assignments = replan(view.plan.assignments, alive, candidates, costs)
@@ -209,7 +211,9 @@ class Leader:
                 return
             log.info("planning", term=term, reason=reason)
             plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources())
-            log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+            log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments),
+                     stage_ms=" ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs)),
+                     head_ms=round(costs.head_ms, 2))
             self._replies_term = term  # replies are matched by it
             self._replies = {a.node: asyncio.get_running_loop().create_future()
                              for a in assignments if a.node != view.node_id}

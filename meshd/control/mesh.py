@@ -20,7 +20,7 @@ from enum import Enum, StrEnum
 
 from meshd.control.election import elect
 from meshd.control.peers import Link
-from meshd.control.placement import Candidate
+from meshd.control.placement import Candidate, measured_candidates
 from protocol.messages import Assignment, Capabilities, Hello, NodeId, Plan
 
 DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured
@@ -150,6 +150,12 @@ class MeshView:
         view = [Candidate.from_caps(self.node_id, self.caps)]
         view += [Candidate.from_caps(pid, link.caps) for pid, link in self.live_links().items()]
         return view
+
+    def candidates_for(self, model: str) -> list[Candidate]:
+        """``candidates`` as placement weighs them for ``model``: by what its real layers cost
+        each peer where it timed them (see ``placement.measured_candidates``)."""
+        peers = {self.node_id: self.caps} | {pid: link.caps for pid, link in self.live_links().items()}
+        return measured_candidates(peers, model)
 
     def elected(self) -> NodeId:
         return elect(self.candidates())

@@ -24,10 +24,10 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from meshd.errors import NoCapacity, ProtocolError
-from protocol.messages import Assignment, Capabilities, NodeId
+from protocol.messages import Assignment, Capabilities, Measured, NodeId
 from shards.manifest import Manifest
 from shards.span import Span
 
@@ -49,6 +49,25 @@ class Candidate:
         return cls(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
 
 
+def measured_candidates(peers: Mapping[NodeId, Capabilities], model: str) -> list[Candidate]:
+    """Candidates whose ``layer_ms`` is what one real layer of ``model`` costs them per
+    decode step at the measured batch, where they timed it (``caps.measured``).
+
+    The synthetic probe (a dense fp32 layer) is no guide to a quantized model's real
+    layers, and reads differently from box to box (measured here: 0.34 ms probe against
+    0.5-0.6 ms for a real Q4_1 layer at batch 1), so it is used only for a peer that has
+    not timed the model (it has no weights yet), scaled by the median real/probe ratio of
+    the peers that have both, so that every figure is in the same unit."""
+    timed = {n: c.measured for n, c in peers.items() if c.measured.complete and c.measured.model == model}
+    ratios = sorted(timed[n].layer_ms_batch / c.layer_ms for n, c in peers.items() if n in timed and c.layer_ms > 0)
+    scale = ratios[len(ratios) // 2] if ratios else 1.0
+    out = []
+    for n, c in peers.items():
+        ms = timed[n].layer_ms_batch if n in timed else c.layer_ms * scale
+        out.append(Candidate(n, c.mem_budget, ms, c.vram, c.ram))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Costs:
     """What a plan is weighed by: the model's sizes and the costs outside the layers.
@@ -62,9 +81,17 @@ class Costs:
     head_ms: float = 0.0  # embedding and head, on the supernode
 
     @classmethod
-    def of_model(cls, manifest: Manifest, supernode: NodeId, layer_ms: float, hop_ms: float) -> Costs:
-        # Decode is bound by bytes read, so the head costs what its bytes cost in layers.
-        head_ms = layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
+    def of_model(cls, manifest: Manifest, supernode: NodeId, layer_ms: float, hop_ms: float,
+                 measured: Measured | None = None) -> Costs:
+        """``measured``: the supernode's own timing of this model's parts; its head (final
+        norm, lm_head, sampling at the decode batch) is then what the supernode's stage
+        pays beside its layers. Without one, the head costs what its bytes cost in layers
+        (decode reads every weight once a step), a guess that can be far off: a Q4_1
+        model's head is unpacked to the activations' dtype, its layers are not."""
+        if measured is not None and measured.complete and measured.model == manifest.name:
+            head_ms = measured.head_ms_batch
+        else:
+            head_ms = layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
         return cls(supernode, manifest.n_layers, [manifest.layer_bytes(i) for i in range(manifest.n_layers)],
                    manifest.embed_bytes, hop_ms, head_ms)
 
@@ -168,6 +195,13 @@ def validate(assignments: Sequence[Assignment], n_layers: int) -> None:
         at = a.span.stop
     if at != n_layers:
         raise ProtocolError(f"plan covers layers 0:{at}, the model has {n_layers}")
+
+
+def stage_ms(assignments: Sequence[Assignment], candidates: Iterable[Candidate], costs: Costs) -> list[float]:
+    """Each stage's ms per decode step under ``costs``, in plan order (for logs and tests)."""
+    ms = {c.node_id: c.layer_ms for c in candidates}
+    return [_fixed_ms(a.node, costs.supernode, costs.hop_ms, costs.head_ms) + len(a.span) * ms[a.node]
+            for a in assignments]
 
 
 def bottleneck(
