@@ -51,9 +51,12 @@ class Measured:
     head_ms_batch: float = 0.0
     batch: int = field(default=1, metadata={"max": 4096})
 
-    @property
-    def complete(self) -> bool:
-        return bool(self.model) and min(self.layer_ms, self.layer_ms_batch, self.head_ms, self.head_ms_batch) > 0
+    def has_layers(self, model: str) -> bool:
+        """Whether this times ``model``'s layers (a stage that holds no head times no head)."""
+        return self.model == model and min(self.layer_ms, self.layer_ms_batch) > 0
+
+    def has_head(self, model: str) -> bool:
+        return self.model == model and min(self.head_ms, self.head_ms_batch) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,9 @@ class Accept:
     tag: ClassVar[str] = "accept"
     term: int = field(metadata=TERM)
     span: Span
+    # Its span's real layer, timed once loaded, where its Hello had no timing of this model
+    # (it fetched the weights since): the supernode may rebalance on it.
+    measured: Measured = Measured()
 
 
 class RejectCode(IntEnum):

@@ -217,8 +217,9 @@ def generate_greedy(parts: StageEngine | Stage | Sequence[StageEngine | Stage],
 
 
 def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dtype: str | torch.dtype = "auto",
-                     budget_s: float = 0.4, context: int = 64) -> float:
-    """Milliseconds for one decode step through one layer, measured within ``budget_s``.
+                     budget_s: float = 0.4, context: int = 64, batch: int = 1) -> float:
+    """Milliseconds for one decode step (of ``batch`` sessions) through one layer, measured
+    within ``budget_s``.
 
     With an engine that holds layers, its own first layer is timed on its worker thread;
     with a bare config (a peer joining before any weights are loaded), a random layer.
@@ -226,7 +227,7 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
     if isinstance(target, StageEngine) and target.span is not None:
         block = target.stage.layers[str(target.span.start)]
         cfg, dev, dt = target.config, target.device, target.dtype
-        return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context))
+        return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context, batch))
     cfg = target.config if isinstance(target, StageEngine) else target
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -236,7 +237,7 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
         for p in block.parameters():
             p.normal_(0, 0.02)
     with torch.inference_mode():
-        return _time_block(block, cfg, dev, dt, budget_s, context)
+        return _time_block(block, cfg, dev, dt, budget_s, context, batch)
 
 
 def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dtype,

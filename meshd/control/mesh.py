@@ -21,7 +21,7 @@ from enum import Enum, StrEnum
 from meshd.control.election import elect
 from meshd.control.peers import Link
 from meshd.control.placement import Candidate, measured_candidates
-from protocol.messages import Assignment, Capabilities, Hello, NodeId, Plan
+from protocol.messages import Assignment, Capabilities, Hello, Measured, NodeId, Plan
 
 DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured
 TERMS_KEPT = 20  # term history shown by /status
@@ -129,6 +129,7 @@ class MeshView:
         self.plan: Plan | None = None  # the active plan as this peer knows it
         self.history: list[TermRecord] = []  # newest last
         self.draining: set[NodeId] = set()  # supernode: peers being moved off the plan
+        self.measured: dict[NodeId, Measured] = {}  # supernode: timings peers sent since their Hello
         self.unavailable: Unavailable | None = Unavailable(NotServing.STARTING)  # None once a plan serves
 
     # -- reading -----------------------------------------------------------------------
@@ -155,7 +156,7 @@ class MeshView:
         """``candidates`` as placement weighs them for ``model``: by what its real layers cost
         each peer where it timed them (see ``placement.measured_candidates``)."""
         peers = {self.node_id: self.caps} | {pid: link.caps for pid, link in self.live_links().items()}
-        return measured_candidates(peers, model)
+        return measured_candidates(peers, model, self.measured)
 
     def elected(self) -> NodeId:
         return elect(self.candidates())

@@ -49,7 +49,8 @@ class Candidate:
         return cls(node_id, caps.mem_budget, caps.layer_ms, caps.vram, caps.ram)
 
 
-def measured_candidates(peers: Mapping[NodeId, Capabilities], model: str) -> list[Candidate]:
+def measured_candidates(peers: Mapping[NodeId, Capabilities], model: str,
+                        learned: Mapping[NodeId, Measured] | None = None) -> list[Candidate]:
     """Candidates whose ``layer_ms`` is what one real layer of ``model`` costs them per
     decode step at the measured batch, where they timed it (``caps.measured``).
 
@@ -57,8 +58,14 @@ def measured_candidates(peers: Mapping[NodeId, Capabilities], model: str) -> lis
     layers, and reads differently from box to box (measured here: 0.34 ms probe against
     0.5-0.6 ms for a real Q4_1 layer at batch 1), so it is used only for a peer that has
     not timed the model (it has no weights yet), scaled by the median real/probe ratio of
-    the peers that have both, so that every figure is in the same unit."""
-    timed = {n: c.measured for n, c in peers.items() if c.measured.complete and c.measured.model == model}
+    the peers that have both, so that every figure is in the same unit. ``learned``: timings
+    a peer sent since its Hello (in its Accept, once it had loaded the weights)."""
+    learned = learned or {}
+    timed = {}
+    for n, c in peers.items():
+        m = next((m for m in (learned.get(n), c.measured) if m is not None and m.has_layers(model)), None)
+        if m is not None:
+            timed[n] = m
     ratios = sorted(timed[n].layer_ms_batch / c.layer_ms for n, c in peers.items() if n in timed and c.layer_ms > 0)
     scale = ratios[len(ratios) // 2] if ratios else 1.0
     out = []
@@ -88,7 +95,7 @@ class Costs:
         pays beside its layers. Without one, the head costs what its bytes cost in layers
         (decode reads every weight once a step), a guess that can be far off: a Q4_1
         model's head is unpacked to the activations' dtype, its layers are not."""
-        if measured is not None and measured.complete and measured.model == manifest.name:
+        if measured is not None and measured.has_head(manifest.name):
             head_ms = measured.head_ms_batch
         else:
             head_ms = layer_ms * manifest.embed_bytes / max(1, manifest.layer_bytes(0))
@@ -177,6 +184,31 @@ def replan(
         return bottleneck(plan, candidates=pool, supernode=c.supernode, hop_ms=c.hop_ms, head_ms=c.head_ms)
 
     return patched if cost(patched) <= cost(fresh) + _EPS else fresh
+
+
+# A plan is re-made for better timings only when its slowest stage is this much slower than
+# a fresh plan's: timings of the same box differ by a few percent from run to run, and a
+# re-plan costs a load (and a replay of the streams in flight).
+REBALANCE_MARGIN = 0.15
+
+
+def rebalanced(current: Sequence[Assignment], candidates: Iterable[Candidate], costs: Costs,
+               margin: float = REBALANCE_MARGIN) -> tuple[Assignment, ...] | None:
+    """A fresh plan when ``current``'s slowest stage is more than ``margin`` slower than the
+    fresh one's under these (newer) timings, else None. A plan that names a peer not among
+    ``candidates`` is for the loss path, not this one."""
+    pool = list(candidates)
+    ids = {c.node_id for c in pool}
+    if not current or any(a.node not in ids for a in current):
+        return None
+    order = [a.node for a in sorted(current, key=lambda a: a.span.start) if a.node != costs.supernode]
+    try:
+        fresh = place(pool, costs, order=order)
+    except NoCapacity:
+        return None
+    now = max(stage_ms(current, pool, costs))
+    best = max(stage_ms(fresh, pool, costs))
+    return fresh if now > best * (1.0 + margin) + _EPS else None
 
 
 def validate(assignments: Sequence[Assignment], n_layers: int) -> None:
