@@ -195,6 +195,9 @@ class ForwardBatch:
     req: int  # request number, echoed in ResultBatch / Fail
     segments: tuple[Segment, ...]
     hidden: torch.Tensor  # [sum(rows), H]
+    # 1: a step that gives new sessions their first token; the stage runs it before the
+    # decode batches queued there (an older peer ignores it and runs it in turn).
+    urgent: int = field(default=0, metadata={"max": 1})
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -7,9 +7,13 @@ the async methods hand work to it, so the event loop never blocks on a forward.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import itertools
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -52,6 +56,45 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# Set (in a task) for engine calls that should not queue behind others': the step that
+# gives a new session its first token. Every call still runs whole, one at a time.
+URGENT: contextvars.ContextVar[bool] = contextvars.ContextVar("meshd_engine_urgent", default=False)
+
+
+class _Worker:
+    """The engine's one thread: calls run one at a time, urgent ones first, each kind in the
+    order it came. torch's thread count is per OS thread (OpenMP): it takes ``threads``."""
+
+    def __init__(self, threads: int):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._loop, args=(threads,), name="meshd-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], R], urgent: bool = False) -> Future:
+        future: Future = Future()
+        self._queue.put((0 if urgent else 1, next(self._seq), fn, future))
+        return future
+
+    def shutdown(self) -> None:
+        """After every call already queued (as ``ThreadPoolExecutor.shutdown(wait=True)``)."""
+        self._queue.put((2, next(self._seq), None, None))
+        self._thread.join()
+
+    def _loop(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        while True:
+            _, _, fn, future = self._queue.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled while it waited
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, as an executor would
+                future.set_exception(exc)
+
+
 class StageEngine:
     def __init__(self, stage: Stage, manifest: Manifest):
         self.stage = stage
@@ -62,8 +105,7 @@ class StageEngine:
         self.dtype = stage.dtype
         self._caches: dict[str, Caches] = {}
         # torch's thread count is per OS thread (OpenMP): the worker takes its creator's.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshd-engine",
-                                        initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+        self._pool = _Worker(torch.get_num_threads())
         self._closed = False
 
     @classmethod
@@ -90,11 +132,11 @@ class StageEngine:
         the worker's and (measured, 2 cores) makes each batched step 2-3x slower."""
         if self.closed:  # a newer plan replaced this engine while a call was on its way here
             raise ModelError("this stage's engine was closed: its plan was replaced")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._call, fn)
+        return await asyncio.wrap_future(self._pool.submit(lambda: self._call(fn), URGENT.get()))
 
     def run_sync(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the worker thread and wait (for tests, bench and start-up)."""
-        return self._pool.submit(self._call, fn).result()
+        return self._pool.submit(lambda: self._call(fn)).result()
 
     # -- what runs there -------------------------------------------------------------
 
@@ -188,7 +230,7 @@ class StageEngine:
 
     def close(self) -> None:
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         self._caches.clear()
 
 

@@ -26,7 +26,7 @@ from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, PeerLost
 from protocol.messages import (Accept, Commit, Fail, ForwardBatch, Measured, Message, NodeId, Plan, Reject, RejectCode,
                                ResultBatch)
-from shards.engine import DECODE_BATCH, StageEngine, measure_layer_ms
+from shards.engine import DECODE_BATCH, URGENT, StageEngine, measure_layer_ms
 
 log = structlog.get_logger()
 
@@ -127,6 +127,7 @@ class Follower:
             log.warning("stale_frame_dropped", peer=link.peer_id, term=msg.term, mine=plan.term if plan else None)
             await _reply(link, Fail(msg.term, msg.req, f"stale or unknown term {msg.term}"))
             return
+        URGENT.set(bool(msg.urgent))  # this task's own context: its engine call goes first if urgent
         try:
             out = await run_span(engine, list(msg.segments), msg.hidden,
                                  delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)

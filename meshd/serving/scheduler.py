@@ -26,6 +26,7 @@ import torch
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
+from shards.engine import URGENT
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -176,6 +177,8 @@ class Scheduler:
                 tg.create_task(self._lane_loop(lane))
 
     async def _lane_loop(self, lane: Lane) -> None:
+        if lane.first_tokens:
+            URGENT.set(True)  # this task's engine calls go before the decode lanes' queued ones
         while True:
             if not lane.sessions:
                 lane.wake.clear()
