@@ -2,9 +2,9 @@
 
 Each daemon times the model's real layer and head at start (Capabilities.measured) and
 the supernode places on those timings: the head (final norm, lm_head, sampling) is about
-nine layers' worth of work on SmolLM2-135M in a decode step (weighed at half: a prefill pays
-it once per prompt), so the supernode keeps 12-13 of the 30 layers rather than the 4 that a
-head priced at its bytes gave. Nothing here names a
+nine layers' worth of work on SmolLM2-135M in a decode step (weighed at HEAD_SHARE: a
+prefill pays it once per prompt), so the supernode keeps 11-13 of the 30 layers rather than
+the 4 that a head priced at its bytes gave. Nothing here names a
 split: the plan must be the balanced one for whatever the peers measured on this box.
 """
 
