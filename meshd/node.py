@@ -157,7 +157,7 @@ class Node:
             return Measured()
         try:
             t = measure_parts(model_dir, self.config.device, self.config.dtype)
-        except (*KNOWN_ERRORS, OSError) as exc:  # placement falls back to the probe
+        except (*KNOWN_ERRORS, OSError, RuntimeError) as exc:  # torch's too (out of memory): the probe serves
             log.warning("measure_failed", model=manifest.name, error=str(exc))
             return Measured()
         delay = self.config.debug_layer_delay_ms

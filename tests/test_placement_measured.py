@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+import pytest
+
 from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Costs, measured_candidates, place, rebalanced,
                                      stage_ms)
 from protocol.messages import Assignment, Capabilities, Measured, NodeId
@@ -128,3 +130,42 @@ def test_bounded_values_survive_the_wire():
     accept = Accept(3, Span(10, 30), timed(2.0))
     assert decode(encode(accept)) == accept
     assert decode(encode(replace(accept, measured=Measured()))).measured == Measured()
+
+
+@pytest.mark.parametrize("field,value", [("layer_ms", -1.0), ("head_ms_batch", 1e7), ("layer_ms", float("nan")),
+                                         ("batch", 0)])
+def test_a_peers_timing_out_of_bounds_is_a_protocol_error(field, value):
+    import msgpack
+
+    from meshd.errors import ProtocolError
+    from protocol.codec import decode, encode
+    from protocol.messages import Accept
+
+    frame = msgpack.unpackb(encode(Accept(3, Span(10, 30), timed(2.0))))
+    frame["measured"][field] = value
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(frame))
+
+
+def test_the_urgent_flag_travels_and_an_older_frame_reads_as_not_urgent():
+    import msgpack
+    import torch
+
+    from protocol.codec import decode, encode
+    from protocol.messages import ForwardBatch, Segment
+
+    fb = ForwardBatch(1, 7, (Segment("s", 0, 2),), torch.zeros(2, 4), urgent=1)
+    assert decode(encode(fb)).urgent == 1
+    frame = msgpack.unpackb(encode(fb))
+    del frame["urgent"]
+    assert decode(msgpack.packb(frame)).urgent == 0
+
+
+def test_measure_parts_times_a_real_layer_and_the_head(tiny_model_dir):
+    from shards.engine import measure_parts
+
+    t = measure_parts(tiny_model_dir, "cpu", "float32", batch=4, budget_s=0.05)
+    assert t.batch == 4
+    assert 0 < t.layer_ms <= t.layer_ms_batch * 1.5 + 0.05  # a batch of 4 costs no less than one row (noise aside)
+    assert 0 < t.head_ms and 0 < t.head_ms_batch
+    assert all(v < 1000 for v in (t.layer_ms, t.layer_ms_batch, t.head_ms, t.head_ms_batch))
