@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Costs, measured_candidates, place, rebalanced,
-                                     stage_ms)
+from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Costs, measured_candidates, place,
+                                     rebalanced, stage_ms)
 from protocol.messages import Assignment, Capabilities, Measured, NodeId
 from shards.span import Span
 

@@ -26,7 +26,7 @@ import structlog
 from meshd.config import Config
 from meshd.control.election import accepts_plan, next_term
 from meshd.control.mesh import MeshView, NotServing, plan_json
-from meshd.control.placement import Costs, place, rebalanced, replan, stage_ms
+from meshd.control.placement import Candidate, Costs, place, rebalanced, replan, stage_ms
 from meshd.control.runner import StageRunner
 from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost
@@ -201,11 +201,8 @@ class Leader:
         while True:
             term = next_term(view.term)
             view.hold_term(term)
-            candidates = [c for c in view.candidates_for(manifest.name)
-                          if c.node_id not in excluded and c.node_id not in view.draining]
+            candidates, costs = self._weighed(manifest, excluded)
             alive = {c.node_id for c in candidates}
-            me = next(c for c in candidates if c.node_id == view.node_id)
-            costs = Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
             try:
                 if view.plan is not None:
                     assignments = replan(view.plan.assignments, alive, candidates, costs)
@@ -273,18 +270,25 @@ class Leader:
                  plan=" ".join(f"{a.node}={a.span}" for a in assignments))
         self._check_balance(manifest, assignments)
 
+    def _weighed(self, manifest: Manifest, excluded: Mapping[NodeId, str] | None = None
+                 ) -> tuple[list[Candidate], Costs]:
+        """The peers a plan may use (not excluded, not draining), weighed on what this model's
+        real parts cost them where they timed them, and the supernode's costs."""
+        view = self.view
+        candidates = [c for c in view.candidates_for(manifest.name)
+                      if c.node_id not in (excluded or {}) and c.node_id not in view.draining]
+        me = next(c for c in candidates if c.node_id == view.node_id)
+        return candidates, Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
+
     def _check_balance(self, manifest: Manifest, assignments: Sequence[Assignment]) -> None:
         """Re-plan once more when timings the peers sent with their Accepts show that a fresh
         plan's slowest stage beats this one's by a clear margin (see MAX_REBALANCES)."""
         if not self._learned:
             return
         self._learned = False
-        view = self.view
         if self.rebalances >= MAX_REBALANCES:
             return
-        candidates = [c for c in view.candidates_for(manifest.name) if c.node_id not in view.draining]
-        me = next(c for c in candidates if c.node_id == view.node_id)
-        costs = Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
+        candidates, costs = self._weighed(manifest)
         fresh = rebalanced(assignments, candidates, costs)
         if fresh is None:
             return

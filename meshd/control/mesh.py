@@ -2,7 +2,7 @@
 links and the HTTP side, each field with one writer.
 
 - ``links``, ``lost``: the link keeper (``control/links.py``), as links come and go.
-- ``term``, ``supernode``, ``plan``, ``history``, ``draining``, ``unavailable``:
+- ``term``, ``supernode``, ``plan``, ``history``, ``draining``, ``measured``, ``unavailable``:
   the leader (``control/leader.py``), the one authority on who leads, under which
   term and with which plan; a follower that accepts a plan asks it to.
 
