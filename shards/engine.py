@@ -25,8 +25,7 @@ from torch import Tensor
 from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
-from shards.model import Block, Caches, KVCache, Stage, load_stage
-from shards.rope import layer_cos_sin
+from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_tables
 from shards.span import Span
 
 log = structlog.get_logger()
@@ -284,14 +283,14 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
 
 def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dtype,
                 budget_s: float, context: int, batch: int = 1) -> float:
-    """Median ms of one decode step of ``batch`` sessions (``context`` cached positions
-    each) through ``block``."""
+    """ms of one decode step of ``batch`` sessions (``context`` cached positions each)
+    through ``block`` (see ``_low_ms``)."""
     caches = [KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev) for _ in range(batch)]
     x = torch.randn(context * batch, cfg.hidden_size, device=dev, dtype=dt)
-    cos, sin = layer_cos_sin(cfg, block.sliding, [(0, context)] * batch, dev, dt)
+    cos, sin = rope_tables(cfg, block.sliding, [(0, context)] * batch, dev, dt)
     block(x, cos, sin, [(0, context, cache) for cache in caches])  # prefill the contexts, also the warm-up
     rows = x[:batch]
-    c, s = layer_cos_sin(cfg, block.sliding, [(context, 1)] * batch, dev, dt)
+    c, s = rope_tables(cfg, block.sliding, [(context, 1)] * batch, dev, dt)
     segments = [(context, 1, cache) for cache in caches]
 
     def step() -> None:
