@@ -212,6 +212,11 @@ def run_meshd(peers: int, args, workdir: Path) -> dict:
             view = wait_http(url + "/status", lambda v: v["serving"], 60, procs, f"meshd-{peers}")
             print(f"   placement gave {len(view['plan'])} stage(s) to {peers} peers", flush=True)
         plan = " ".join(f"{a['node'][:6]}[{a['start']}:{a['stop']})" for a in view["plan"])
+        # What placement weighed the split on: each peer's timed layer (and head) at the decode batch.
+        timed = {p["id"]: p.get("measured") for p in view["peers"]}
+        plan += " timed " + " ".join(
+            f"{n[:6]}=layer {t['layer_ms_batch']:.2f}/head {t['head_ms_batch']:.2f} ms" if t else f"{n[:6]}=probe"
+            for n, t in timed.items())
         rows = [asyncio.run(measure(url, args, r)) for r in range(args.rounds)]
         status = wait_http(url + "/status", lambda v: True, 10, procs, "status")
         return {"name": f"meshd-{peers}", "plan": plan, **median_rows(rows),

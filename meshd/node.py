@@ -62,11 +62,13 @@ from protocol.messages import (
     Drop,
     ForwardBatch,
     Hello,
+    Measured,
     Message,
     NodeId,
     Plan,
     Reject,
 )
+from shards.engine import measure_parts
 from shards.fetch import list_models
 from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
@@ -121,7 +123,7 @@ class Node:
         self._tg: asyncio.TaskGroup | None = None
 
         model = local_model(config)
-        self.view = MeshView(self.node_id, self._capabilities(model[1]))
+        self.view = MeshView(self.node_id, self._capabilities(*model))
         self.store = ModelStore(config, self.view, self.secret, lambda: self.http, model)
         self.metrics = NodeMetrics(self.view, self.device, self.status)  # one registry per node
         self.pipeline = Pipeline(lambda: self.store.engine,
@@ -147,7 +149,25 @@ class Node:
     def model_name(self) -> str:
         return self.store.model_name
 
-    def _capabilities(self, manifest: Manifest | None) -> Capabilities:
+    def _measure(self, model_dir: Path | None, manifest: Manifest | None) -> Measured:
+        """This box's real cost of the configured model's layer and head, when it has the
+        model (about a second: one layer and the head are loaded and timed); placement
+        balances stages on it. A simulated slow box (debug delay) looks slow here too."""
+        if model_dir is None or manifest is None:
+            return Measured()
+        try:
+            t = measure_parts(model_dir, self.config.device, self.config.dtype)
+        except (*KNOWN_ERRORS, OSError, RuntimeError) as exc:  # torch's too (out of memory): the probe serves
+            log.warning("measure_failed", model=manifest.name, error=str(exc))
+            return Measured()
+        delay = self.config.debug_layer_delay_ms
+        m = Measured(manifest.name, round(t.layer_ms + delay, 4), round(t.layer_ms_batch + delay, 4),
+                     round(t.head_ms, 4), round(t.head_ms_batch, 4), t.batch)
+        log.info("model_measured", model=m.model, layer_ms=m.layer_ms, layer_ms_batch=m.layer_ms_batch,
+                 head_ms=m.head_ms, head_ms_batch=m.head_ms_batch, batch=m.batch)
+        return m
+
+    def _capabilities(self, model_dir: Path | None, manifest: Manifest | None) -> Capabilities:
         vram = self.config.advertise_vram
         if vram is None:
             vram = detect_vram(self.device)
@@ -164,6 +184,7 @@ class Node:
             mem_budget=memory_budget(self.device, self.config.mem_budget),
             layer_ms=round(layer_ms, 4),
             models=tuple(sorted(models)),
+            measured=self._measure(model_dir, manifest),
         )
 
     def _advert(self) -> Advert:

@@ -36,6 +36,7 @@ from .messages import (
     Capabilities,
     Digest,
     ForwardBatch,
+    Measured,
     Message,
     ModelName,
     NodeId,
@@ -273,8 +274,19 @@ def _check_caps(c: Capabilities, f: _Fields) -> None:
         raise ProtocolError(f"{f.where}: layer_ms {c.layer_ms} is outside 0..{MAX_LAYER_MS:g}")
 
 
+def _check_measured(m: Measured, f: _Fields) -> None:
+    # Finite is the reader's check; 0 means "not measured", anything else must be a time.
+    for name in ("layer_ms", "layer_ms_batch", "head_ms", "head_ms_batch"):
+        if not 0.0 <= (v := getattr(m, name)) <= MAX_LAYER_MS:
+            raise ProtocolError(f"{f.where}: {name} {v} is outside 0..{MAX_LAYER_MS:g}")
+    if m.batch < 1:
+        raise ProtocolError(f"{f.where}: batch must be at least 1")
+    if len(m.model) > MAX_ID:
+        raise ProtocolError(f"{f.where}: model name longer than {MAX_ID}")
+
+
 _CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch,
-                                                       Capabilities: _check_caps}
+                                                       Capabilities: _check_caps, Measured: _check_measured}
 
 
 def _unpack(data: bytes, max_size: int) -> dict:

@@ -39,6 +39,27 @@ MAX_POSITION = 2**31  # a session position (a segment's start)
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """What one model's real parts cost on a peer, ms per decode step (0: not measured):
+    a layer and the head (final norm, lm_head, picking the token) at one row and at
+    ``batch`` rows. Placement balances stages on these rather than on the synthetic probe."""
+
+    model: str = ""  # the model's name these figures are of
+    layer_ms: float = 0.0
+    layer_ms_batch: float = 0.0
+    head_ms: float = 0.0
+    head_ms_batch: float = 0.0
+    batch: int = field(default=1, metadata={"max": 4096})
+
+    def has_layers(self, model: str) -> bool:
+        """Whether this times ``model``'s layers (a stage that holds no head times no head)."""
+        return self.model == model and min(self.layer_ms, self.layer_ms_batch) > 0
+
+    def has_head(self, model: str) -> bool:
+        return self.model == model and min(self.head_ms, self.head_ms_batch) > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a peer offers, sent inside its Hello."""
 
@@ -49,6 +70,7 @@ class Capabilities:
     mem_budget: int  # bytes it will spend on layers
     layer_ms: float  # measured decode time of one layer, ms
     models: tuple[ModelName, ...] = ()  # models it has complete locally
+    measured: Measured = Measured()  # its configured model's real parts, timed (an older peer sends none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +136,9 @@ class Accept:
     tag: ClassVar[str] = "accept"
     term: int = field(metadata=TERM)
     span: Span
+    # Its span's real layer, timed once loaded, where its Hello had no timing of this model
+    # (it fetched the weights since): the supernode may rebalance on it.
+    measured: Measured = Measured()
 
 
 class RejectCode(IntEnum):
@@ -170,6 +195,9 @@ class ForwardBatch:
     req: int  # request number, echoed in ResultBatch / Fail
     segments: tuple[Segment, ...]
     hidden: torch.Tensor  # [sum(rows), H]
+    # 1: a step that gives new sessions their first token; the stage runs it before the
+    # decode batches queued there (an older peer ignores it and runs it in turn).
+    urgent: int = field(default=0, metadata={"max": 1})
 
 
 @dataclass(frozen=True, slots=True, eq=False)

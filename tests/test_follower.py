@@ -71,7 +71,11 @@ async def test_a_plan_from_its_supernode_is_loaded_accepted_and_followed_on_comm
     m, n = peer.manifest, peer.manifest.n_layers
     p = plan(m, term=3)
     await peer.follower.on_plan(peer.sup, p)
-    assert peer.sup.of(Accept) == [Accept(3, Span(2, n))]
+    [accept] = peer.sup.of(Accept)
+    assert (accept.term, accept.span) == (3, Span(2, n))
+    # Its Hello timed no model (it had none): it times its real layer once loaded, for the
+    # supernode to weigh the plan on.
+    assert accept.measured.has_layers(m.name) and not accept.measured.has_head(m.name)
     assert peer.view.term == 3 and peer.view.supernode == "a"
     assert peer.view.plan is None and peer.store.engine is None, "active before Commit"
 

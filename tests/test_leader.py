@@ -13,6 +13,7 @@ small for the model says why it cannot serve.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ from meshd.control.mesh import NotServing
 from meshd.control.placement import validate
 from meshd.control.runner import LocalRunner
 from meshd.errors import BadRequest
-from protocol.messages import Accept, Commit, NodeId, Plan, Reject, RejectCode
+from protocol.messages import Accept, Commit, Measured, NodeId, Plan, Reject, RejectCode
 from shards.manifest import Manifest
 from tests.inproc import FakeLink, GiB, Tasks, caps, config, store_for, until, view_with
 
@@ -49,9 +50,11 @@ class Pipeline:
 class Peer(FakeLink):
     """Answers each Plan with the next scripted reply (then Accept), as a peer would."""
 
-    def __init__(self, peer_id: str, vram: int, *replies: Reject, layer_ms: float = 1.0):
+    def __init__(self, peer_id: str, vram: int, *replies: Reject, layer_ms: float = 1.0,
+                 measured: Measured = Measured()):
         super().__init__(peer_id, caps(vram=vram, layer_ms=layer_ms), answer=self._answer)
         self.replies = deque(replies)
+        self.measured = measured  # what its Accepts carry: its real layer, timed once loaded
         self.leader: Leader | None = None
 
     def _answer(self, msg) -> None:
@@ -59,7 +62,7 @@ class Peer(FakeLink):
             mine = next((a.span for a in msg.assignments if a.node == self.peer_id), None)
             if mine is None:
                 return
-            reply = self.replies.popleft() if self.replies else Accept(msg.term, mine)
+            reply = self.replies.popleft() if self.replies else Accept(msg.term, mine, self.measured)
             if isinstance(reply, Reject):
                 reply = Reject(msg.term, reply.reason, code=reply.code, held_term=reply.held_term)
             self.leader.on_reply(self.peer_id, reply)
@@ -70,9 +73,10 @@ async def mesh(tiny_model_dir, tmp_path):
     tasks = Tasks()
     made = []
 
-    def make(*peers: Peer, my_budget: int = 100 * GiB) -> SimpleNamespace:
+    def make(*peers: Peer, my_budget: int = 100 * GiB, my_timing: Measured = Measured()) -> SimpleNamespace:
         # "a" leads (most VRAM) and is slow, so placement gives the peers layers.
-        view = view_with("a", caps(vram=64 * GiB, layer_ms=20.0, mem_budget=my_budget), *peers)
+        my_caps = replace(caps(vram=64 * GiB, layer_ms=20.0, mem_budget=my_budget), measured=my_timing)
+        view = view_with("a", my_caps, *peers)
         cfg = config(tmp_path, tiny_model_dir, replicate=False, drain_timeout_s=5.0)
         store = store_for(cfg, view, tiny_model_dir)
         pipeline = Pipeline()
@@ -170,3 +174,22 @@ async def test_a_mesh_too_small_for_the_model_says_why(mesh):
     m.leader.view_changed("start")
     await until(lambda: m.view.unavailable is not None and m.view.unavailable.why is NotServing.NO_ROOM)
     assert m.view.plan is None and m.pipeline.suspended and "short of the head" in str(m.view.unavailable)
+
+
+async def test_timings_learned_from_the_accepts_rebalance_the_plan_once(mesh, tiny_model_dir):
+    """The supernode timed its real layers and head at start; "b" had no weights, so the
+    first plan weighs it on its probe (as fast as "a"). Its Accept carries its real layer,
+    4x slower: the leader re-plans once, onto a plan balanced on those timings, and no more
+    (the same timings again change nothing)."""
+    name = Manifest.load(tiny_model_dir).name
+    m = mesh(Peer("b", 8 * GiB, layer_ms=20.0, measured=Measured(name, 4.0, 4.0, batch=8)),
+             my_timing=Measured(name, 1.0, 1.0, 2.0, 2.0, batch=8))
+    m.leader.view_changed("start")
+    first = await active(m)
+    later = await active(m, term_above=first.term)
+    layers = {a.node: len(a.span) for a in later.assignments}
+    assert layers["a"] > {a.node: len(a.span) for a in first.assignments}["a"]
+    assert layers["a"] > layers.get("b", 0), later.assignments
+    assert m.leader.rebalances == 1
+    await m.view.changes.wait_for(lambda: False, 0.5)  # time enough for a (wrong) third plan
+    assert m.view.plan is later and len(m.pipeline.served) == 2

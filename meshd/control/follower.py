@@ -9,6 +9,7 @@ are the model store's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Protocol
@@ -23,8 +24,9 @@ from meshd.control.placement import validate
 from meshd.control.runner import Forwarded, LocalRunner, run_span
 from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, PeerLost
-from protocol.messages import Accept, Commit, Fail, ForwardBatch, Message, NodeId, Plan, Reject, RejectCode, ResultBatch
-from shards.engine import StageEngine
+from protocol.messages import (Accept, Commit, Fail, ForwardBatch, Measured, Message, NodeId, Plan, Reject, RejectCode,
+                               ResultBatch)
+from shards.engine import DECODE_BATCH, URGENT, StageEngine, measure_layer_ms
 
 log = structlog.get_logger()
 
@@ -57,6 +59,7 @@ class Follower:
         self.forwarded = forwarded
         self.pending: Plan | None = None  # the latest plan received, while it loads
         self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
+        self._timed: Measured | None = None  # its real layer, timed after a load (see _timing)
 
     def runner(self, engine: StageEngine) -> LocalRunner:
         """This peer's span for its own supernode's pipeline."""
@@ -87,7 +90,22 @@ class Follower:
             return  # a newer plan came while this one loaded
         self.prepared = (plan, engine)
         if mine is not None:
-            await _reply(link, Accept(plan.term, mine))
+            await _reply(link, Accept(plan.term, mine, await self._timing(plan.model, engine)))
+
+    async def _timing(self, model: str, engine: StageEngine | None) -> Measured:
+        """Its span's real layer timed, once per model, where its Hello carried no timing of
+        ``model`` (it had no weights then): the supernode may rebalance on it."""
+        if engine is None or engine.span is None or self.view.caps.measured.has_layers(model):
+            return Measured()
+        if self._timed is None or self._timed.model != model:
+            layer, batch = await asyncio.to_thread(
+                lambda: (measure_layer_ms(engine, budget_s=0.15),
+                         measure_layer_ms(engine, budget_s=0.15, batch=DECODE_BATCH)))
+            delay = self.config.debug_layer_delay_ms
+            self._timed = Measured(model, round(layer + delay, 4), round(batch + delay, 4), batch=DECODE_BATCH)
+            log.info("span_measured", model=model, layer_ms=self._timed.layer_ms,
+                     layer_ms_batch=self._timed.layer_ms_batch, batch=DECODE_BATCH)
+        return self._timed
 
     def on_commit(self, link: Link, commit: Commit) -> None:
         prepared = self.prepared
@@ -109,6 +127,7 @@ class Follower:
             log.warning("stale_frame_dropped", peer=link.peer_id, term=msg.term, mine=plan.term if plan else None)
             await _reply(link, Fail(msg.term, msg.req, f"stale or unknown term {msg.term}"))
             return
+        URGENT.set(bool(msg.urgent))  # this task's own context: its engine call goes first if urgent
         try:
             out = await run_span(engine, list(msg.segments), msg.hidden,
                                  delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)

@@ -26,7 +26,7 @@ import structlog
 from meshd.config import Config
 from meshd.control.election import accepts_plan, next_term
 from meshd.control.mesh import MeshView, NotServing, plan_json
-from meshd.control.placement import Costs, place, replan
+from meshd.control.placement import Candidate, Costs, place, rebalanced, replan, stage_ms
 from meshd.control.runner import StageRunner
 from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost
@@ -45,6 +45,10 @@ VIEW_RETRIES = 8
 # A peer that lost every link at once waits this many heartbeats for them before it leads alone.
 ISOLATION_WAIT_BEATS = 8
 VIEW_RETRY_FIRST_S = 0.1
+# Re-plans for timings learned after a plan (a peer that fetched the weights timed its real
+# layers only then): each needs new timings and a clear gain (placement.REBALANCE_MARGIN),
+# and this bounds them for the life of this peer, so a noisy box cannot keep the mesh re-planning.
+MAX_REBALANCES = 2
 
 
 class PlanSink(Protocol):
@@ -77,6 +81,8 @@ class Leader:
         self._lead_task: asyncio.Task | None = None
         self._replies: dict[NodeId, asyncio.Future] = {}  # Accept/Reject per assigned peer
         self._replies_term = 0  # the term of the plan those replies answer
+        self._learned = False  # a peer sent new timings since the last rebalance check
+        self.rebalances = 0
 
     # -- the election loop ---------------------------------------------------------------
 
@@ -195,9 +201,8 @@ class Leader:
         while True:
             term = next_term(view.term)
             view.hold_term(term)
-            candidates = [c for c in view.candidates() if c.node_id not in excluded and c.node_id not in view.draining]
+            candidates, costs = self._weighed(manifest, excluded)
             alive = {c.node_id for c in candidates}
-            costs = Costs.of_model(manifest, view.node_id, view.caps.layer_ms, view.hop_ms())
             try:
                 if view.plan is not None:
                     assignments = replan(view.plan.assignments, alive, candidates, costs)
@@ -209,7 +214,9 @@ class Leader:
                 return
             log.info("planning", term=term, reason=reason)
             plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources())
-            log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+            log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments),
+                     stage_ms=" ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs)),
+                     head_ms=round(costs.head_ms, 2))
             self._replies_term = term  # replies are matched by it
             self._replies = {a.node: asyncio.get_running_loop().create_future()
                              for a in assignments if a.node != view.node_id}
@@ -261,6 +268,35 @@ class Leader:
         self.spawn(store.replicate())
         log.info("plan_active", term=term, seconds=round(time.monotonic() - t0, 2),
                  plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+        self._check_balance(manifest, assignments)
+
+    def _weighed(self, manifest: Manifest, excluded: Mapping[NodeId, str] | None = None
+                 ) -> tuple[list[Candidate], Costs]:
+        """The peers a plan may use (not excluded, not draining), weighed on what this model's
+        real parts cost them where they timed them, and the supernode's costs."""
+        view = self.view
+        candidates = [c for c in view.candidates_for(manifest.name)
+                      if c.node_id not in (excluded or {}) and c.node_id not in view.draining]
+        me = next(c for c in candidates if c.node_id == view.node_id)
+        return candidates, Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
+
+    def _check_balance(self, manifest: Manifest, assignments: Sequence[Assignment]) -> None:
+        """Re-plan once more when timings the peers sent with their Accepts show that a fresh
+        plan's slowest stage beats this one's by a clear margin (see MAX_REBALANCES)."""
+        if not self._learned:
+            return
+        self._learned = False
+        if self.rebalances >= MAX_REBALANCES:
+            return
+        candidates, costs = self._weighed(manifest)
+        fresh = rebalanced(assignments, candidates, costs)
+        if fresh is None:
+            return
+        self.rebalances += 1
+        before = " ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs))
+        after = " ".join(f"{ms:.2f}" for ms in stage_ms(fresh, candidates, costs))
+        log.info("plan_rebalance", stage_ms=before, fresh_stage_ms=after, rebalances=self.rebalances)
+        self.view_changed(f"rebalance on measured stage times ({before} -> {after} ms)")
 
     async def _collect(self, timeout: float) -> dict[NodeId, Accept | Reject]:
         """Each assigned peer's Accept or Reject; a peer that says nothing in time, or
@@ -287,6 +323,9 @@ class Leader:
             return  # only a peer asked in this negotiation moves the term (the codec bounds it)
         if isinstance(msg, Reject) and msg.code is RejectCode.STALE_TERM:
             self.view.hold_term(msg.held_term)  # the next plan goes above it
+        if isinstance(msg, Accept) and msg.measured.model and self.view.measured.get(sender) != msg.measured:
+            self.view.measured[sender] = msg.measured  # bounded by the codec: finite, 0..MAX_LAYER_MS
+            self._learned = True
         future.set_result(msg)
 
     # -- for a follower --------------------------------------------------------------------

@@ -2,7 +2,7 @@
 links and the HTTP side, each field with one writer.
 
 - ``links``, ``lost``: the link keeper (``control/links.py``), as links come and go.
-- ``term``, ``supernode``, ``plan``, ``history``, ``draining``, ``unavailable``:
+- ``term``, ``supernode``, ``plan``, ``history``, ``draining``, ``measured``, ``unavailable``:
   the leader (``control/leader.py``), the one authority on who leads, under which
   term and with which plan; a follower that accepts a plan asks it to.
 
@@ -20,8 +20,8 @@ from enum import Enum, StrEnum
 
 from meshd.control.election import elect
 from meshd.control.peers import Link
-from meshd.control.placement import Candidate
-from protocol.messages import Assignment, Capabilities, Hello, NodeId, Plan
+from meshd.control.placement import Candidate, measured_candidates
+from protocol.messages import Assignment, Capabilities, Hello, Measured, NodeId, Plan
 
 DEFAULT_HOP_MS = 0.3  # a LAN round trip of one decode frame, before any is measured
 TERMS_KEPT = 20  # term history shown by /status
@@ -129,6 +129,7 @@ class MeshView:
         self.plan: Plan | None = None  # the active plan as this peer knows it
         self.history: list[TermRecord] = []  # newest last
         self.draining: set[NodeId] = set()  # supernode: peers being moved off the plan
+        self.measured: dict[NodeId, Measured] = {}  # supernode: timings peers sent since their Hello
         self.unavailable: Unavailable | None = Unavailable(NotServing.STARTING)  # None once a plan serves
 
     # -- reading -----------------------------------------------------------------------
@@ -150,6 +151,12 @@ class MeshView:
         view = [Candidate.from_caps(self.node_id, self.caps)]
         view += [Candidate.from_caps(pid, link.caps) for pid, link in self.live_links().items()]
         return view
+
+    def candidates_for(self, model: str) -> list[Candidate]:
+        """``candidates`` as placement weighs them for ``model``: by what its real layers cost
+        each peer where it timed them (see ``placement.measured_candidates``)."""
+        peers = {self.node_id: self.caps} | {pid: link.caps for pid, link in self.live_links().items()}
+        return measured_candidates(peers, model, self.measured)
 
     def elected(self) -> NodeId:
         return elect(self.candidates())

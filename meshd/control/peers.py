@@ -38,6 +38,7 @@ from protocol.messages import (
     ResultBatch,
     Segment,
 )
+from shards.engine import URGENT
 
 log = structlog.get_logger()
 
@@ -130,7 +131,7 @@ class Link:
         future = asyncio.get_running_loop().create_future()
         self._pending[req] = future
         try:
-            await self.send(ForwardBatch(term, req, tuple(segments), hidden))
+            await self.send(ForwardBatch(term, req, tuple(segments), hidden, urgent=int(URGENT.get())))
             return await future
         finally:
             self._pending.pop(req, None)

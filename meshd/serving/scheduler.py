@@ -26,6 +26,7 @@ import torch
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
+from shards.engine import URGENT
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -137,8 +138,11 @@ def rotate_batch(sessions: list[Session], stepped: list[Session]) -> list[Sessio
 
 
 class Lane:
-    def __init__(self, index: int):
+    def __init__(self, index: int, first_tokens: bool = False):
         self.index = index
+        # The lane that gives new sessions their first token, in steps of their own, before
+        # they join a decode lane (see Scheduler._enqueue).
+        self.first_tokens = first_tokens
         self.sessions: list[Session] = []
         self.wake = asyncio.Event()
         self.steps = 0
@@ -152,7 +156,8 @@ class Scheduler:
         self.kv_budget_tokens = kv_budget_tokens
         self.on_finished = on_finished  # after each generation ends (a drain waits for none to be left)
         self.active: dict[str, Session] = {}
-        self.lanes = [Lane(i) for i in range(MAX_LANES)]
+        # The decode lanes, then the first-token lane (last: ``_enqueue`` slices the decode ones).
+        self.lanes = [Lane(i) for i in range(MAX_LANES)] + [Lane(MAX_LANES, first_tokens=True)]
         self.reserved_tokens = 0
         self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
         self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
@@ -172,6 +177,8 @@ class Scheduler:
                 tg.create_task(self._lane_loop(lane))
 
     async def _lane_loop(self, lane: Lane) -> None:
+        if lane.first_tokens:
+            URGENT.set(True)  # this task's engine calls go before the decode lanes' queued ones
         while True:
             if not lane.sessions:
                 lane.wake.clear()
@@ -216,6 +223,9 @@ class Scheduler:
                 s.out.put_nowait(token)
                 if len(s.generated) >= s.params.max_tokens:
                     self._finish(s, None)
+                elif lane.first_tokens:  # it has its first token: on to a decode lane
+                    lane.sessions.remove(s)
+                    self._enqueue_decode(s)
 
     def _lanes_in_use(self) -> int:
         """One lane per stage keeps every stage busy; one is enough for one stage."""
@@ -278,6 +288,22 @@ class Scheduler:
             self._enqueue(session)
 
     def _enqueue(self, session: Session) -> None:
+        """A new session (or one whose long prompt was prefilled beside the lanes) gets its
+        first token in the first-token lane, in a step without the running streams' decode
+        rows: its step runs beside theirs (each stage interleaves the two), so the time to a
+        first token under load is one short step behind the stage's current call, not a
+        full decode step of every stream behind the current one (measured on one core, 16
+        streams: 412 ms against 84 ms idle before). Alone, or a batch job's line (it has no
+        one waiting on its first token), it joins a decode lane at once."""
+        if (session.priority is Priority.INTERACTIVE and self.active.keys() - {session.id}
+                and session.cached < len(session.tokens)):
+            lane = self.lanes[-1]
+            lane.sessions.append(session)
+            lane.wake.set()
+        else:
+            self._enqueue_decode(session)
+
+    def _enqueue_decode(self, session: Session) -> None:
         lane = min(self.lanes[: self._lanes_in_use()], key=lambda ln: len(ln.sessions))
         lane.sessions.append(session)
         lane.wake.set()

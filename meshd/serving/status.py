@@ -7,6 +7,7 @@ import time
 from meshd import __version__
 from meshd.control.mesh import PeerState, Role, plan_json
 from meshd.serving.daemon import Daemon
+from protocol.messages import Measured
 
 
 def build_status(node: Daemon) -> dict:
@@ -45,7 +46,7 @@ def build_status(node: Daemon) -> dict:
     peers = [{
         "id": node.node_id, "name": node.config.name, "addr": me["addr"], "role": me["role"],
         "device": node.device, "vram": caps.vram, "ram": caps.ram, "layers": me["layers"],
-        "state": view.state(node.node_id), "rtt_ms": 0.0, "self": True,
+        "state": view.state(node.node_id), "rtt_ms": 0.0, "self": True, "measured": _measured(caps.measured),
     }]
     for pid, link in sorted(view.links.items()):
         peers.append({
@@ -53,6 +54,7 @@ def build_status(node: Daemon) -> dict:
             "role": view.role(pid), "device": link.caps.device, "vram": link.caps.vram, "ram": link.caps.ram,
             "layers": view.span_of(pid), "state": view.state(pid),
             "rtt_ms": round(link.rtt_ms, 3) if link.rtt_ms is not None else None,
+            "measured": _measured(view.measured.get(pid, link.caps.measured)),
         })
     for pid, lost in sorted(view.lost.items()):
         caps_lost = lost.hello.caps
@@ -74,3 +76,11 @@ def build_status(node: Daemon) -> dict:
         "terms": [t.to_json() for t in view.history[-10:]],
         "batches": node.batches.status(),  # batch jobs running on this peer
     }
+
+
+def _measured(m: Measured) -> dict | None:
+    """A peer's timing of the model's real parts, as placement weighs it (None: not timed)."""
+    if not m.model:
+        return None
+    return {"model": m.model, "layer_ms": m.layer_ms, "layer_ms_batch": m.layer_ms_batch, "head_ms": m.head_ms,
+            "head_ms_batch": m.head_ms_batch, "batch": m.batch}

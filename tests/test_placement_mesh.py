@@ -1,0 +1,45 @@
+"""Two peers with the real model split it by what its parts cost them, timed.
+
+Each daemon times the model's real layer and head at start (Capabilities.measured) and
+the supernode places on those timings: the head (final norm, lm_head, sampling) is about
+nine layers' worth of work on SmolLM2-135M in a decode step (weighed at HEAD_SHARE: a
+prefill pays it once per prompt), so the supernode keeps 11-13 of the 30 layers rather than
+the 4 that a head priced at its bytes gave. Nothing here names a
+split: the plan must be the balanced one for whatever the peers measured on this box.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd.control.placement import HEAD_SHARE
+from tests.meshlab import complete, greedy_reference
+
+
+@pytest.mark.netns
+@pytest.mark.real_model
+def test_two_peers_split_the_real_model_on_measured_stage_times(meshlab, real_model_dir):
+    prompt, n = "The lighthouse keeper climbed the stairs and", 16
+    hosts = [meshlab.lab.add_host() for _ in range(2)]
+    daemons = [meshlab.start(h, model=str(real_model_dir), vram=(2 - i) * 10**9, extra=("--threads", "1"))
+               for i, h in enumerate(hosts)]
+    view = meshlab.wait_converged(daemons, n_stages=2, timeout=180)
+    sup = next(d for d in daemons if d.node_id == view["supernode"])
+    status = sup.status()
+    timing = {p["id"]: p["measured"] for p in status["peers"]}
+    assert all(t is not None and t["layer_ms_batch"] > 0 for t in timing.values()), timing
+    head = HEAD_SHARE * timing[sup.node_id]["head_ms_batch"]
+    assert head > 0
+    plan = {a["node"]: a["stop"] - a["start"] for a in status["plan"]}
+    assert set(plan) == set(timing), status["plan"]
+    other = next(p for p in plan if p != sup.node_id)
+    rtt = next(p["rtt_ms"] or 0.0 for p in status["peers"] if p["id"] == other)
+    mine = head + plan[sup.node_id] * timing[sup.node_id]["layer_ms_batch"]
+    theirs = rtt + plan[other] * timing[other]["layer_ms_batch"]
+    # Balanced: moving one layer either way would not lower the slower stage.
+    one_layer = max(t["layer_ms_batch"] for t in timing.values())
+    assert abs(mine - theirs) <= one_layer + rtt + 1e-6, (plan, timing, mine, theirs)
+    assert plan[sup.node_id] < plan[other], "the supernode's head weighs on its stage"
+    # And the split model answers what one node answers.
+    got, _ = complete(daemons[1].url, prompt, n)
+    assert got == greedy_reference(real_model_dir, prompt, n), meshlab.fail_report()
