@@ -35,6 +35,11 @@ class PeerLost(MeshError):
     """A peer a request depended on went away."""
 
 
+class Stopping(PeerLost):
+    """This peer is stopping: its task group starts nothing new (to whoever asked, the
+    peer is as good as lost)."""
+
+
 class StageFailed(PeerLost):
     """A peer answered a step with Fail (its link is up): only a new plan helps."""
 

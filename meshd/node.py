@@ -41,7 +41,7 @@ from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
 from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
-from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost, ProtocolError
+from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost, ProtocolError, Stopping
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
@@ -254,7 +254,9 @@ class Node:
                     with contextlib.suppress(Exception):
                         await link.send(Bye("shutting down"))
                 raise _Stopped
-        except* _Stopped:
+        # A long-lived task (the leader's, a link loop) that asked for new work while the
+        # group was being torn down ends with Stopping: part of the stop, not a failure.
+        except* (_Stopped, Stopping):
             pass
         finally:
             if discovery is not None:
@@ -294,7 +296,7 @@ class Node:
         except RuntimeError:  # the group is shutting down: nothing new starts, the node stops
             task.close()
             coro.close()
-            raise PeerLost("this peer is stopping") from None
+            raise Stopping("this peer is stopping") from None
 
     # -- messages ------------------------------------------------------------------
 
