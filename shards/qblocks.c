@@ -138,30 +138,53 @@ static void decode32(int type, const uint8_t *b, int g, int8_t *q, float *s, flo
     }
 }
 
-/* -- the input rows: int8 blocks of 32, a scale and the sum of the codes per block ------ */
+/* -- the input rows: int8 blocks of 32 with a scale each ----------------------------------
+ * One rounding keeps 7 bits of a block's largest value: the small values of a block that
+ * holds an outlier (Gemma's residual stream has them) lose most of theirs. With ``two``
+ * passes the rounding error is rounded again into a second set of blocks (q2, d2), and
+ * each dot product is taken against both: about 14 bits, at twice the integer work. */
+typedef struct {
+    const int8_t *q, *q2;  /* [K] codes; q2 NULL with one pass */
+    const float *d, *d2;   /* [K / 32] scales */
+    const float *sum;      /* [K / 32] the block's values summed as rounded (offset terms) */
+} xrow;
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *sums) {
+static float round_block(const float *x, int8_t *q, float *err) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        int v = (int)lrintf(x[j] * id);
+        q[j] = (int8_t)v;
+        if (err) err[j] = x[j] - (float)v * dd;
+    }
+    return dd;
+}
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, int8_t *q2, float *d, float *d2, float *sum) {
+    float err[32];
     for (int64_t b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < 32; j++) {
-            int v = (int)lrintf(xb[j] * id);
-            q[32 * b + j] = (int8_t)v;
-            sum += v;
+        int32_t s1 = 0, s2 = 0;
+        d[b] = round_block(x + 32 * b, q + 32 * b, q2 ? err : NULL);
+        for (int j = 0; j < 32; j++) s1 += q[32 * b + j];
+        sum[b] = d[b] * (float)s1;
+        if (q2) {
+            d2[b] = round_block(err, q2 + 32 * b, NULL);
+            for (int j = 0; j < 32; j++) s2 += q2[32 * b + j];
+            sum[b] += d2[b] * (float)s2;
         }
-        d[b] = dd;
-        sums[b] = sum;
     }
 }
 
-typedef float (*dot_fn)(int type, const uint8_t *row, const int8_t *xq, const float *xd, const int32_t *xs,
-                        int64_t K);
+typedef float (*dot_fn)(int type, const uint8_t *row, const xrow *x, int64_t K);
 
-static float dot_scalar(int type, const uint8_t *row, const int8_t *xq, const float *xd, const int32_t *xs,
-                        int64_t K) {
+static inline int32_t idot16(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += a[i] * b[i];
+    return s;
+}
+
+static float dot_scalar(int type, const uint8_t *row, const xrow *xr, int64_t K) {
     int per = 32, bytes = 0;
     block_info(type, &per, &bytes);
     float acc = 0.0f;
@@ -170,11 +193,13 @@ static float dot_scalar(int type, const uint8_t *row, const int8_t *xq, const fl
     for (int64_t blk = 0; blk < K / per; blk++) {
         for (int g = 0; g < per / 32; g++) {
             int64_t j = blk * (per / 32) + g;
-            const int8_t *x = xq + 32 * j;
-            int32_t s0 = 0, s1 = 0;
+            const int8_t *x = xr->q + 32 * j;
             decode32(type, row + blk * bytes, g, q, s, &z);
-            for (int i = 0; i < 16; i++) { s0 += q[i] * x[i]; s1 += q[i + 16] * x[i + 16]; }
-            acc += xd[j] * (s[0] * (float)s0 + s[1] * (float)s1 + z * (float)xs[j]);
+            acc += xr->d[j] * (s[0] * (float)idot16(q, x) + s[1] * (float)idot16(q + 16, x + 16)) + z * xr->sum[j];
+            if (xr->q2) {
+                x = xr->q2 + 32 * j;
+                acc += xr->d2[j] * (s[0] * (float)idot16(q, x) + s[1] * (float)idot16(q + 16, x + 16));
+            }
         }
     }
     return acc;
@@ -219,8 +244,29 @@ static inline __m256i high_bits32(const uint8_t *p) {  /* byte j = 16 where bit 
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-static float dot_avx2(int type, const uint8_t *row, const int8_t *xq, const float *xd, const int32_t *xs,
-                      int64_t K) {
+/* acc += sw * x->d[j] * (w . x block j) (and the second pass): w signed, or unsigned (us) */
+static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw) {
+    __m256i aw = _mm256_sign_epi8(w, w);
+    __m256i p = dot_us(aw, _mm256_sign_epi8(load32(x->q + 32 * j), w));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    if (x->q2) {
+        p = dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+    }
+    return acc;
+}
+
+static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw) {
+    __m256i p = dot_us(u, load32(x->q + 32 * j));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    if (x->q2) {
+        p = dot_us(u, load32(x->q2 + 32 * j));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+    }
+    return acc;
+}
+
+static float dot_avx2(int type, const uint8_t *row, const xrow *x, int64_t K) {
     __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     float accz = 0.0f;
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
@@ -228,25 +274,22 @@ static float dot_avx2(int type, const uint8_t *row, const int8_t *xq, const floa
     case Q8_0:
         for (int64_t i = 0; i < K / 32; i++) {
             const uint8_t *b = row + 34 * i;
-            __m256 d = _mm256_set1_ps(f16(b) * xd[i]);
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(load32(b + 2), load32(xq + 32 * i))), acc);
+            acc = acc_ss(acc, load32(b + 2), x, i, _mm256_set1_ps(f16(b)));
         }
         break;
     case Q5_0:
         for (int64_t i = 0; i < K / 32; i++) {
             const uint8_t *b = row + 22 * i;
             __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16));
-            __m256 d = _mm256_set1_ps(f16(b) * xd[i]);
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(w, load32(xq + 32 * i))), acc);
+            acc = acc_ss(acc, w, x, i, _mm256_set1_ps(f16(b)));
         }
         break;
     case Q5_1:
         for (int64_t i = 0; i < K / 32; i++) {
             const uint8_t *b = row + 24 * i;
             __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4));
-            __m256 d = _mm256_set1_ps(f16(b) * xd[i]);
-            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_us(u, load32(xq + 32 * i))), acc);
-            accz += f16(b + 2) * xd[i] * (float)xs[i];
+            acc = acc_us(acc, u, x, i, _mm256_set1_ps(f16(b)));
+            accz += f16(b + 2) * x->sum[i];
         }
         break;
     case Q6_K:
@@ -264,11 +307,11 @@ static float dot_avx2(int type, const uint8_t *row, const int8_t *xq, const floa
                                        _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
                 for (int k = 0; k < 4; k++) {
                     int64_t j = 8 * sb + 4 * h + k;
-                    __m256i p = dot_ss(_mm256_sub_epi8(c[k], _mm256_set1_epi8(32)), load32(xq + 32 * j));
-                    float dx = d * xd[j], s0 = dx * (float)sc[8 * h + 2 * k], s1 = dx * (float)sc[8 * h + 2 * k + 1];
+                    float s0 = d * (float)sc[8 * h + 2 * k], s1 = d * (float)sc[8 * h + 2 * k + 1];
                     __m256 s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-                    if (k & 1) acc2 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc2);
-                    else acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc);
+                    __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
+                    if (k & 1) acc2 = acc_ss(acc2, w, x, j, s);
+                    else acc = acc_ss(acc, w, x, j, s);
                 }
             }
         }
@@ -288,16 +331,15 @@ static float dot_avx2(int type, const uint8_t *row, const int8_t *xq, const floa
                 if (type == Q5_K)  /* bit g of qh byte l -> bit 4 of weight l */
                     u = _mm256_or_si256(u, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hh, g), 4),
                                                             _mm256_set1_epi8(16)));
-                __m256 s = _mm256_set1_ps(d * (float)sc * xd[j]);
-                __m256i p = dot_us(u, load32(xq + 32 * j));
-                if (g & 1) acc2 = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc2);
-                else acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc);
-                accz -= dmin * (float)m * xd[j] * (float)xs[j];
+                __m256 s = _mm256_set1_ps(d * (float)sc);
+                if (g & 1) acc2 = acc_us(acc2, u, x, j, s);
+                else acc = acc_us(acc, u, x, j, s);
+                accz -= dmin * (float)m * x->sum[j];
             }
         }
         break;
     case Q4_0: case Q4_1:
-        return dot_scalar(type, row, xq, xd, xs, K);
+        return dot_scalar(type, row, x, K);
     }
     return hsum(_mm256_add_ps(acc, acc2)) + accz;
 }
@@ -314,17 +356,23 @@ int qb_simd(void) {
 #endif
 }
 
-/* y [M, N] = x [M, K] W^T, W [N] rows of K / per blocks. 0, or -1 for a type or K it cannot run. */
+/* y [M, N] = x [M, K] W^T, W [N] rows of K / per blocks; ``two``: round the input twice
+ * (see xrow). 0, or -1 for a type or K it cannot run, -2 out of memory. */
 int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-              int threads, int scalar) {
+              int threads, int scalar, int two) {
     int per, bytes;
     if (block_info(type, &per, &bytes) || K % per || N < 0 || M < 0) return -1;
     int64_t nb = K / 32, row_bytes = K / per * bytes;
-    int8_t *xq = malloc((size_t)(M * K) + 64);
-    float *xd = malloc(sizeof(float) * (size_t)(M * nb) + 64);
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nb) + 64);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+    int8_t *xq = malloc((size_t)(2 * M * K) + 64);
+    float *xf = malloc(sizeof(float) * (size_t)(3 * M * nb) + 64);
+    xrow *xr = malloc(sizeof(xrow) * (size_t)(M + 1));
+    if (!xq || !xf || !xr) { free(xq); free(xf); free(xr); return -2; }
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = xq + 2 * m * K, *q2 = two ? q + K : NULL;
+        float *d = xf + 3 * m * nb;
+        quantize_row(x + m * K, K, q, q2, d, d + nb, d + 2 * nb);
+        xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb};
+    }
     dot_fn dot = dot_scalar;
 #ifdef QB_AVX2
     if (!scalar) dot = dot_avx2;
@@ -333,9 +381,9 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = W + n * row_bytes;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(type, row, xq + m * K, xd + m * nb, xs + m * nb, K);
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(type, row, &xr[m], K);
     }
-    free(xq); free(xd); free(xs);
+    free(xq); free(xf); free(xr);
     return 0;
 }
 

@@ -49,6 +49,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=
 # kernel take. Q4_0/Q4_1/Q4_K stay on torch's int4 kernel (4 bits + 1 of scales, as fast).
 TYPES = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q6_K": (14, 256, 210),
          "Q5_K": (13, 256, 176), "Q4_K": (12, 256, 144)}
+TWO_PASS = True
 RUNS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K")  # the types QuantLinear runs on this kernel
 
 
@@ -106,7 +107,7 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
         log.warning("qblocks_unavailable", cc=cc, reason=(str(e) + " " + err.decode(errors="replace"))[:300])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = ctypes.c_int
     log.info("qblocks_loaded", path=str(path), simd=("c", "avx2", "avx2+vnni")[lib.qb_simd()])
@@ -115,12 +116,14 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
 
 # -- running -----------------------------------------------------------------------------------
 
-def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, scalar: bool = False) -> Tensor:
-    """x [M, K] (float32, contiguous) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row]."""
+def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, scalar: bool = False,
+           two: bool = TWO_PASS) -> Tensor:
+    """x [M, K] (float32, contiguous) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row].
+    ``two``: the input rounded to int8 twice (value, then its rounding error): see qblocks.c."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.qb_matmul(TYPES[source][0], blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(),
-                       torch.get_num_threads(), int(scalar))
+                       torch.get_num_threads(), int(scalar), int(two))
     if rc:
         raise RuntimeError(f"qb_matmul({source}, K={k}) returned {rc}")
     return y
