@@ -176,7 +176,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, int8_t *q2, float
     }
 }
 
-typedef float (*dot_fn)(int type, const uint8_t *row, const xrow *x, int64_t K);
+typedef void (*dot_rows_fn)(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out);
 
 static inline int32_t idot16(const int8_t *a, const int8_t *b) {
     int32_t s = 0;
@@ -203,6 +203,10 @@ static float dot_scalar(int type, const uint8_t *row, const xrow *xr, int64_t K)
         }
     }
     return acc;
+}
+
+static void dot_rows_scalar(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++) out[m] = dot_scalar(type, row, &x[m], K);
 }
 
 #ifdef QB_AVX2
@@ -266,37 +270,42 @@ static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m
     return acc;
 }
 
-static float dot_avx2(int type, const uint8_t *row, const xrow *x, int64_t K) {
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    float accz = 0.0f;
+/* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
+ * (a prefill's), with two accumulators a row so that consecutive blocks do not wait on
+ * each other's FMA. Inlined with mt a constant (1 or MT) so the accumulators stay in registers. */
+#define MT 4
+static inline __attribute__((always_inline)) void dot_tile(int type, const uint8_t *row, const xrow *x, int64_t K,
+                                                           float *out, const int mt) {
+    __m256 acc[2][MT];
+    float accz[MT];
+    for (int r = 0; r < mt; r++) { acc[0][r] = acc[1][r] = _mm256_setzero_ps(); accz[r] = 0.0f; }
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     switch (type) {
-    case Q8_0:
-        for (int64_t i = 0; i < K / 32; i++) {
-            const uint8_t *b = row + 34 * i;
-            acc = acc_ss(acc, load32(b + 2), x, i, _mm256_set1_ps(f16(b)));
-        }
-        break;
-    case Q5_0:
-        for (int64_t i = 0; i < K / 32; i++) {
-            const uint8_t *b = row + 22 * i;
-            __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16));
-            acc = acc_ss(acc, w, x, i, _mm256_set1_ps(f16(b)));
-        }
-        break;
-    case Q5_1:
-        for (int64_t i = 0; i < K / 32; i++) {
-            const uint8_t *b = row + 24 * i;
-            __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4));
-            acc = acc_us(acc, u, x, i, _mm256_set1_ps(f16(b)));
-            accz += f16(b + 2) * x->sum[i];
-        }
-        break;
+    /* blocks of 32 two at a time, block i into acc[A] (A a constant: registers, not memory) */
+#define PAIRS(STEP) do { int64_t i = 0; \
+        for (; i + 1 < K / 32; i += 2) { STEP(i, 0); STEP(i + 1, 1); } \
+        if (i < K / 32) STEP(i, 0); } while (0)
+#define Q8_0_STEP(I, A) do { const uint8_t *b = row + 34 * (I); __m256i w = load32(b + 2); \
+        __m256 s = _mm256_set1_ps(f16(b)); \
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+#define Q5_0_STEP(I, A) do { const uint8_t *b = row + 22 * (I); \
+        __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16)); \
+        __m256 s = _mm256_set1_ps(f16(b)); \
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+#define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
+        __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
+        __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
+                                        accz[r] += z * x[r].sum[(I)]; } } while (0)
+    case Q8_0: PAIRS(Q8_0_STEP); break;
+    case Q5_0: PAIRS(Q5_0_STEP); break;
+    case Q5_1: PAIRS(Q5_1_STEP); break;
     case Q6_K:
         for (int64_t sb = 0; sb < K / 256; sb++) {
             const uint8_t *b = row + 210 * sb;
             const int8_t *sc = (const int8_t *)(b + 192);
             float d = f16(b + 208);
+            _Pragma("GCC unroll 2")
             for (int h = 0; h < 2; h++) {
                 __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hh = load32(b + 128 + 32 * h);
                 __m256i c[4];
@@ -305,13 +314,13 @@ static float dot_avx2(int type, const uint8_t *row, const xrow *x, int64_t K) {
                 c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m30));
                 c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                        _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
+                _Pragma("GCC unroll 4")
                 for (int k = 0; k < 4; k++) {
                     int64_t j = 8 * sb + 4 * h + k;
                     float s0 = d * (float)sc[8 * h + 2 * k], s1 = d * (float)sc[8 * h + 2 * k + 1];
                     __m256 s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
                     __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
-                    if (k & 1) acc2 = acc_ss(acc2, w, x, j, s);
-                    else acc = acc_ss(acc, w, x, j, s);
+                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s);
                 }
             }
         }
@@ -322,6 +331,7 @@ static float dot_avx2(int type, const uint8_t *row, const xrow *x, int64_t K) {
             const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
             float d = f16(b), dmin = f16(b + 2);
             __m256i hh = type == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
             for (int g = 0; g < 8; g++) {
                 int64_t j = 8 * sb + g;
                 int sc, m;
@@ -332,16 +342,25 @@ static float dot_avx2(int type, const uint8_t *row, const xrow *x, int64_t K) {
                     u = _mm256_or_si256(u, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hh, g), 4),
                                                             _mm256_set1_epi8(16)));
                 __m256 s = _mm256_set1_ps(d * (float)sc);
-                if (g & 1) acc2 = acc_us(acc2, u, x, j, s);
-                else acc = acc_us(acc, u, x, j, s);
-                accz -= dmin * (float)m * x->sum[j];
+                float zm = dmin * (float)m;
+                for (int r = 0; r < mt; r++) {
+                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s);
+                    accz[r] -= zm * x[r].sum[j];
+                }
             }
         }
         break;
-    case Q4_0: case Q4_1:
-        return dot_scalar(type, row, x, K);
+    default:
+        for (int r = 0; r < mt; r++) out[r] = dot_scalar(type, row, &x[r], K);
+        return;
     }
-    return hsum(_mm256_add_ps(acc, acc2)) + accz;
+    for (int r = 0; r < mt; r++) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + accz[r];
+}
+
+static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+    int64_t m = 0;
+    for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT);
+    for (; m < M; m++) dot_tile(type, row, x + m, K, out + m, 1);
 }
 #endif
 
@@ -373,17 +392,20 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
         quantize_row(x + m * K, K, q, q2, d, d + nb, d + 2 * nb);
         xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb};
     }
-    dot_fn dot = dot_scalar;
+    dot_rows_fn dot = dot_rows_scalar;
 #ifdef QB_AVX2
-    if (!scalar) dot = dot_avx2;
+    if (!scalar) dot = dot_rows_avx2;
 #endif
+    float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
+    if (!yt) { free(xq); free(xf); free(xr); return -2; }
     (void)threads;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = W + n * row_bytes;
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(type, row, &xr[m], K);
-    }
-    free(xq); free(xf); free(xr);
+    for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
+    if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);
+    else
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = yt[n * M + m];
+    free(xq); free(xf); free(xr); free(yt);
     return 0;
 }
 
