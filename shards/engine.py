@@ -20,8 +20,7 @@ from torch import Tensor
 from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
-from shards.model import Block, Caches, KVCache, Stage, load_stage
-from shards.rope import layer_cos_sin
+from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_tables
 from shards.span import Span
 
 log = structlog.get_logger()
@@ -242,7 +241,7 @@ def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dty
                 budget_s: float, context: int) -> float:
     cache = KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev)
     x = torch.randn(context, cfg.hidden_size, device=dev, dtype=dt)
-    cos, sin = layer_cos_sin(cfg, block.sliding, [(0, context)], dev, dt)
+    cos, sin = rope_tables(cfg, block.sliding, [(0, context)], dev, dt)
     block(x, cos, sin, [(0, context, cache)])  # prefill a short context, also the warm-up
     one = x[:1]
     times = []

@@ -201,8 +201,14 @@ class QuantLinear(nn.Module):
         sz = sz.to(self._kdtype).contiguous()
         name = "int4pack" if self.kind == "int4" else "planes"
         rows = [(r, min(r + _CHUNK_ROWS, self.out_features)) for r in range(0, self.out_features, _CHUNK_ROWS)]
-        if dev.type == "cpu":
-            packed = torch.cat([torch._convert_weight_to_int4pack_for_cpu(codes(*r).contiguous(), 2) for r in rows])
+        if dev.type == "cpu":  # rows pack independently: each chunk straight into its place
+            packed = None
+            for r0, r1 in rows:
+                chunk = torch._convert_weight_to_int4pack_for_cpu(codes(r0, r1).contiguous(), 2)  # [r, K'/2]
+                if packed is None:
+                    packed = chunk.new_empty((self.out_features, *chunk.shape[1:]))
+                packed[r0:r1] = chunk
+                del chunk
             return packed, sz, name + "_cpu"
         # CUDA / MPS: uint8 [N, K'/2], high nibble first (torchao's tinygemm order).
         c = torch.cat([codes(*r).to(torch.uint8) for r in rows])

@@ -148,7 +148,7 @@ def test_atheris_decode(tmp_path):
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
         [sys.executable, str(script), f"-max_total_time={ATHERIS_SECONDS}", "-timeout=2", f"-rss_limit_mb={rss_limit}",
-         "-max_len=4096", "-print_final_stats=1", str(corpus)],
+         "-max_len=4096", "-print_final_stats=1", f"-artifact_prefix={tmp_path}/", str(corpus)],
         capture_output=True, text=True, timeout=ATHERIS_SECONDS + 60, cwd=root,
         env=os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
     )

@@ -256,7 +256,7 @@ def test_real_q4_1_converts_code_for_code(real_gguf_path):
 def test_real_int8_greedy_and_logits(real_fp32_dir, real_stage, real_fp32_long):
     tok = MeshTokenizer.load(real_fp32_dir)
     q8 = load_stage(real_fp32_dir, Span(0, 30), True, True)[0]
-    assert qlinear.quantize_stage(q8, QuantSpec("int8")) == {"int8pack": 210}
+    assert qlinear.quantize_stage(q8, QuantSpec("int8")) == {"int8pack": 4 * 30}  # qkv, o, gate-up, down
     same = []
     for p in INT8_PROMPTS:
         ids = tok.encode(p)
