@@ -375,10 +375,10 @@ int qb_simd(void) {
 #endif
 }
 
-/* y [M, N] = x [M, K] W^T, W [N] rows of K / per blocks; ``two``: round the input twice
- * (see xrow). 0, or -1 for a type or K it cannot run, -2 out of memory. */
+/* y [M, N] (row stride ldy) = x [M, K] W^T, W [N] rows of K / per blocks; ``two``: round
+ * the input twice (see xrow). 0, or -1 for a type or K it cannot run, -2 out of memory. */
 int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-              int threads, int scalar, int two) {
+              int64_t ldy, int threads, int scalar, int two) {
     int per, bytes;
     if (block_info(type, &per, &bytes) || K % per || N < 0 || M < 0) return -1;
     int64_t nb = K / 32, row_bytes = K / per * bytes;
@@ -404,7 +404,7 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);
     else
         for (int64_t n = 0; n < N; n++)
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = yt[n * M + m];
+            for (int64_t m = 0; m < M; m++) y[m * ldy + n] = yt[n * M + m];
     free(xq); free(xf); free(xr); free(yt);
     return 0;
 }

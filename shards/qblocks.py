@@ -107,7 +107,7 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
         log.warning("qblocks_unavailable", cc=cc, reason=(str(e) + " " + err.decode(errors="replace"))[:300])
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = ctypes.c_int
     log.info("qblocks_loaded", path=str(path), simd=("c", "avx2", "avx2+vnni")[lib.qb_simd()])
@@ -117,13 +117,15 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
 # -- running -----------------------------------------------------------------------------------
 
 def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, scalar: bool = False,
-           two: bool = TWO_PASS) -> Tensor:
-    """x [M, K] (float32, contiguous) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row].
+           two: bool = TWO_PASS, out: Tensor | None = None) -> Tensor:
+    """x [M, K] (float32, contiguous) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row]
+    (or ``out``, a [M, n] slice of a float32 matrix with contiguous rows, written in place).
     ``two``: the input rounded to int8 twice (value, then its rounding error): see qblocks.c."""
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+    assert y.dtype == torch.float32 and y.shape == (m, n) and (m == 1 or y.stride(1) == 1)
     rc = lib.qb_matmul(TYPES[source][0], blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(),
-                       torch.get_num_threads(), int(scalar), int(two))
+                       y.stride(0), torch.get_num_threads(), int(scalar), int(two))
     if rc:
         raise RuntimeError(f"qb_matmul({source}, K={k}) returned {rc}")
     return y
@@ -140,6 +142,43 @@ def rows(lib: ctypes.CDLL, blocks: Tensor, source: str, ids: Tensor, k: int) -> 
 
 # -- the portable layout back into blocks -------------------------------------------------------
 
+# Types that hold a stored layout's rows exactly, by (group, zeros), the record's own first.
+# A fused linear (model.py joins q/k/v, gate/up stored in the same layout) can hold parts of
+# different GGUF types: Gemma's Q5_0 wq, wk with a Q8_0 wv. Each row takes the first type that
+# holds it exactly; runs of rows of one type are segments, each run by the kernel on its own.
+_FAMILY = {(32, False): ("Q5_0", "Q8_0"), (32, True): ("Q5_1", "Q5_K"), (16, False): ("Q6_K",)}
+_CODES = {"Q5_0": (-16, 15), "Q8_0": (-128, 127), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+
+
+def _fits(t: Mapping[str, Tensor], source: str) -> Tensor:
+    """Rows [N] (bool) that ``source``'s blocks hold exactly (K-quants: as far as the codes
+    say; their scales are factored, or refused, by pack)."""
+    q, s, z = t["qweight"], t["scales"], t.get("zeros")
+    lo, hi = _CODES[source]
+    ok = ((q >= lo) & (q <= hi)).all(1)
+    _, per, _ = TYPES[source]
+    if q.shape[1] % per:
+        return torch.zeros_like(ok)
+    if per == 32:  # fp16 scales (and zeros)
+        for v in (s,) if z is None else (s, z):
+            ok &= (v.half().float() == v.float()).all(1)
+    return ok
+
+
+def segments(t: Mapping[str, Tensor], source: str, group: int) -> list[tuple[int, int, str]]:
+    """[(r0, r1, type)] covering the rows of a stored int8 layout, runs of one block type."""
+    cands = _FAMILY.get((group, t.get("zeros") is not None), ())
+    cands = (source, *(c for c in cands if c != source)) if source in cands else cands
+    if not cands:
+        raise ModelError(f"no block type holds {source} at group {group}")
+    choice = torch.full((t["qweight"].shape[0],), -1, dtype=torch.int64)
+    for i, c in enumerate(cands):
+        choice = torch.where((choice < 0) & _fits(t, c), i, choice)
+    if bool((choice < 0).any()):
+        raise ModelError(f"rows of a {source} layout fit none of {', '.join(cands)}")
+    edges = [0, *(torch.nonzero(choice[1:] != choice[:-1]).flatten() + 1).tolist(), len(choice)]
+    return [(a, b, cands[int(choice[a])]) for a, b in zip(edges, edges[1:])]
+
 def pack(t: Mapping[str, Tensor], source: str) -> Tensor:
     """The GGUF blocks [N, bytes a row] (uint8) of a weight stored per shards/quant.py."""
     if source not in TYPES:
@@ -152,6 +191,9 @@ def pack(t: Mapping[str, Tensor], source: str) -> Tensor:
     _, per, size = TYPES[source]
     if k % per:
         raise ModelError(f"{source}: {k} columns are not whole blocks of {per}")
+    lo, hi = _CODES.get(source, (0, 15))
+    if q.numel() and not (int(q.min()) >= lo and int(q.max()) <= hi):
+        raise ModelError(f"codes outside {source}'s range {lo}..{hi}")
     q = q.to(torch.int16).reshape(n, k // per, per)
     out = _PACK[source](q, t["scales"].reshape(n, k // per, -1), t.get("zeros"))
     out = out.reshape(n, k // per * size).contiguous()

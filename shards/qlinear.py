@@ -98,6 +98,7 @@ class QuantLinear(nn.Module):
         self._kscales: dict[str, Tensor] = {}  # scales (zeros) of the packed codes: rows read back
         self.rescore = 0  # the head: recompute its top-k logits exactly (see forward)
         self._lib = None  # blocks_cpu: the loaded C kernel library
+        self._segments: list[tuple[int, int, str, Tensor]] = []  # blocks_cpu: (r0, r1, type, blocks)
 
     @classmethod
     def from_weight(cls, w: Tensor, kind: str, group_size: int | None = DEFAULT_GROUP,
@@ -137,7 +138,7 @@ class QuantLinear(nn.Module):
             log.warning("quant_kernel_fallback", path=self.path, kind=self.kind, group=self.group_size,
                         source=self.record.source, device=str(dev), reason=reason)
             self._packed = self._aux = None
-            self._kscales = {}
+            self._kscales, self._segments = {}, []
         else:
             self.path = "dense"
             return self.path
@@ -169,7 +170,15 @@ class QuantLinear(nn.Module):
         self.path = "blocks_cpu"
         self._lib = qblocks.library()
         self._kdtype = torch.float32  # the kernel quantizes its input rows itself
-        return qblocks.pack(self.stored(), self.record.source), None, "blocks_cpu"
+        t = self.stored()
+        parts = [(r0, r1, typ, qblocks.pack({k: v[r0:r1] for k, v in t.items()}, typ))
+                 for r0, r1, typ in qblocks.segments(t, self.record.source, self.group_size)]
+        flat = torch.cat([b.reshape(-1) for *_, b in parts]) if len(parts) > 1 else parts[0][3].reshape(-1)
+        self._segments, off = [], 0
+        for r0, r1, typ, b in parts:  # views of the one buffer
+            self._segments.append((r0, r1, typ, flat[off:off + b.numel()].view(r1 - r0, -1)))
+            off += b.numel()
+        return flat, None, "blocks_cpu"
 
     def _plane_codes(self):
         """The kernel's scales_and_zeros [K'/g, N, 2] for ``(code - 8) * scale + zero``, its
@@ -218,8 +227,10 @@ class QuantLinear(nn.Module):
     def _kernel_agrees(self, rows: int = 64) -> bool:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(3, self.in_features, generator=gen).to(self.qweight.device, self._kdtype)
-        got = self._kernel(x)[:, :rows].float()
-        sub = {k: v[:rows] for k, v in self.stored().items()}
+        # rows spread over the whole output: a fused linear's parts each get probed
+        idx = torch.unique(torch.linspace(0, self.out_features - 1, rows).long()).to(self.qweight.device)
+        got = self._kernel(x)[:, idx].float()
+        sub = {k: v[idx] for k, v in self.stored().items()}
         want = F.linear(x.float(), dequantize_weight(sub, self.kind, self.group_size))
         # blocks_cpu rounds its input to int8 blocks (about 1e-2 of the largest output on
         # random rows, as llama.cpp); a broken kernel is off by the whole output.
@@ -230,7 +241,13 @@ class QuantLinear(nn.Module):
 
     def _kernel(self, x: Tensor) -> Tensor:  # [M, K] in the kernel dtype
         if self.path == "blocks_cpu":
-            return qblocks.matmul(self._lib, self._packed, self.record.source, x, self.out_features)
+            if len(self._segments) == 1:
+                _, _, typ, b = self._segments[0]
+                return qblocks.matmul(self._lib, b, typ, x, self.out_features)
+            y = torch.empty(x.shape[0], self.out_features)
+            for r0, r1, typ, b in self._segments:
+                qblocks.matmul(self._lib, b, typ, x, r1 - r0, out=y[:, r0:r1])
+            return y
         if self.path == "int8pack":
             return torch._weight_int8pack_mm(x, self._packed, self._aux)
         if self.path.startswith("planes"):
@@ -265,7 +282,13 @@ class QuantLinear(nn.Module):
     def rows(self, ids: Tensor) -> Tensor:
         """Rows ``ids`` of the weight as the kernel holds it, float32 [T, K]."""
         if self.path == "blocks_cpu":
-            return qblocks.rows(self._lib, self._packed, self.record.source, ids, self.in_features)
+            ids = ids.reshape(-1)
+            out = torch.empty(ids.numel(), self.in_features)
+            for r0, r1, typ, b in self._segments:
+                sel = (ids >= r0) & (ids < r1)
+                if len(self._segments) == 1 or bool(sel.any()):
+                    out[sel] = qblocks.rows(self._lib, b, typ, ids[sel] - r0, self.in_features)
+            return out
         codes = self.rows_from_packed(ids)
         if codes is None or not self._kscales:
             return dequantize_weight({k: v[ids] for k, v in self.stored().items()}, self.kind, self.group_size)

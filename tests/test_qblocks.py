@@ -21,6 +21,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from shards import qblocks
+from shards.errors import ModelError
 from shards.ggml_blocks import repack
 from shards.qlinear import QuantEmbedding, QuantLinear
 from shards.quant import dequantize_weight
@@ -134,6 +135,30 @@ def test_tied_embedding_reads_the_heads_blocks():
     y, want = head(x), x @ ref.T
     top = y.topk(4, dim=-1).indices
     assert torch.allclose(y.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+def test_a_fused_linear_of_two_types_runs_each_rows_in_its_own_blocks():
+    """model.py fuses q/k/v stored in one layout: Gemma's Q5_0 wk with its Q8_0 wv is one int8
+    g32 linear recorded as Q5_0. Each run of rows keeps its own type (never Q8_0 codes in Q5_0
+    blocks), and every part is probed."""
+    (k_t, k_rec, k_ref, _), (v_t, _, v_ref, _) = _tensor("Q5_0.gemma3.blk.0.attn_k.weight"), \
+        _tensor("Q8_0.gemma3.blk.0.attn_v.weight")
+    t = {k: torch.cat((k_t[k], v_t[k])) for k in k_t}
+    ref = torch.cat((k_ref, v_ref))
+    m = QuantLinear(ref.shape[1], ref.shape[0], k_rec)
+    for k, v in t.items():
+        setattr(m, k, v)
+    assert m.prepare(torch.float32) == "blocks_cpu"
+    assert [(a, b, typ) for a, b, typ, _ in m._segments] == [(0, 64, "Q5_0"), (64, 128, "Q8_0")]
+    assert m._packed.numel() == 64 * 20 * (22 + 34)
+    x = torch.randn(17, ref.shape[1], generator=torch.Generator().manual_seed(5))
+    want = x.double() @ ref.double().T
+    assert ((m(x).double() - want).abs().max() / want.abs().max()).item() < 1e-4
+    ids = torch.tensor([1, 70, 63, 64, 127])
+    assert torch.equal(m.rows(ids), ref[ids])
+    with pytest.raises(ModelError):  # and pack itself refuses codes its type cannot hold
+        qblocks.pack(t, "Q5_0")
 
 
 @pytest.mark.parametrize("name", [n for n in KERNEL if n.split(".")[0] in ("Q6_K", "Q8_0", "Q5_0")])
