@@ -165,15 +165,19 @@ def _fits(t: Mapping[str, Tensor], source: str) -> Tensor:
     return ok
 
 
-def segments(t: Mapping[str, Tensor], source: str, group: int) -> list[tuple[int, int, str]]:
+def segments(t: Mapping[str, Tensor], source: str, group: int, chunk: int = 4096) -> list[tuple[int, int, str]]:
     """[(r0, r1, type)] covering the rows of a stored int8 layout, runs of one block type."""
     cands = _FAMILY.get((group, t.get("zeros") is not None), ())
     cands = (source, *(c for c in cands if c != source)) if source in cands else cands
     if not cands:
         raise ModelError(f"no block type holds {source} at group {group}")
-    choice = torch.full((t["qweight"].shape[0],), -1, dtype=torch.int64)
-    for i, c in enumerate(cands):
-        choice = torch.where((choice < 0) & _fits(t, c), i, choice)
+    n = t["qweight"].shape[0]
+    choice = torch.full((n,), -1, dtype=torch.int64)
+    for r0 in range(0, n, chunk):  # a chunk of rows at a time: the head's temporaries stay small
+        sub = {k: v[r0:r0 + chunk] for k, v in t.items() if v is not None}
+        ch = choice[r0:r0 + chunk]
+        for i, c in enumerate(cands):
+            ch.copy_(torch.where((ch < 0) & _fits(sub, c), i, ch))
     if bool((choice < 0).any()):
         raise ModelError(f"rows of a {source} layout fit none of {', '.join(cands)}")
     edges = [0, *(torch.nonzero(choice[1:] != choice[:-1]).flatten() + 1).tolist(), len(choice)]

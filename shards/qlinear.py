@@ -170,14 +170,18 @@ class QuantLinear(nn.Module):
         self.path = "blocks_cpu"
         self._lib = qblocks.library()
         self._kdtype = torch.float32  # the kernel quantizes its input rows itself
-        t = self.stored()
-        parts = [(r0, r1, typ, qblocks.pack({k: v[r0:r1] for k, v in t.items()}, typ))
-                 for r0, r1, typ in qblocks.segments(t, self.record.source, self.group_size)]
-        flat = torch.cat([b.reshape(-1) for *_, b in parts]) if len(parts) > 1 else parts[0][3].reshape(-1)
+        t, K = self.stored(), self.in_features
+        segs = qblocks.segments(t, self.record.source, self.group_size, _CHUNK_ROWS)
+        flat = torch.empty(sum(qblocks.block_bytes(typ, r1 - r0, K) for r0, r1, typ in segs), dtype=torch.uint8)
         self._segments, off = [], 0
-        for r0, r1, typ, b in parts:  # views of the one buffer
-            self._segments.append((r0, r1, typ, flat[off:off + b.numel()].view(r1 - r0, -1)))
-            off += b.numel()
+        for r0, r1, typ in segs:  # views of the one buffer, packed a chunk of rows at a time
+            size = qblocks.block_bytes(typ, r1 - r0, K)
+            view = flat[off:off + size].view(r1 - r0, -1)
+            for c0 in range(r0, r1, _CHUNK_ROWS):
+                c1 = min(c0 + _CHUNK_ROWS, r1)
+                view[c0 - r0:c1 - r0] = qblocks.pack({k: v[c0:c1] for k, v in t.items()}, typ)
+            self._segments.append((r0, r1, typ, view))
+            off += size
         return flat, None, "blocks_cpu"
 
     def _plane_codes(self):
