@@ -141,8 +141,9 @@ static void decode32(int type, const uint8_t *b, int g, int8_t *q, float *s, flo
 /* -- the input rows: int8 blocks of 32 with a scale each ----------------------------------
  * One rounding keeps 7 bits of a block's largest value: the small values of a block that
  * holds an outlier (Gemma's residual stream has them) lose most of theirs. With ``two``
- * passes the rounding error is rounded again into a second set of blocks (q2, d2), and
- * each dot product is taken against both: about 14 bits, at twice the integer work. */
+ * passes the rounding error is rounded again, on a grid d2 = d / 128, into a second set of
+ * blocks (|q2| <= 64), and each dot product is taken against both and joined in integers
+ * (128 p1 + p2, in units of d2): about 14 bits, for one more integer dot a block. */
 typedef struct {
     const int8_t *q, *q2;  /* [K] codes; q2 NULL with one pass */
     const float *d, *d2;   /* [K / 32] scales */
@@ -169,9 +170,15 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, int8_t *q2, float
         for (int j = 0; j < 32; j++) s1 += q[32 * b + j];
         sum[b] = d[b] * (float)s1;
         if (q2) {
-            d2[b] = round_block(err, q2 + 32 * b, NULL);
-            for (int j = 0; j < 32; j++) s2 += q2[32 * b + j];
-            sum[b] += d2[b] * (float)s2;
+            float dd = d[b] / 128.0f, id = d[b] > 0.0f ? 128.0f / d[b] : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                int v = (int)lrintf(err[j] * id);
+                v = v > 127 ? 127 : v < -127 ? -127 : v;
+                q2[32 * b + j] = (int8_t)v;
+                s2 += v;
+            }
+            d2[b] = dd;
+            sum[b] += dd * (float)s2;
         }
     }
 }
@@ -248,26 +255,23 @@ static inline __m256i high_bits32(const uint8_t *p) {  /* byte j = 16 where bit 
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* acc += sw * x->d[j] * (w . x block j) (and the second pass): w signed, or unsigned (us) */
+/* acc += sw * (x block j . w) (both passes, joined: 128 p1 + p2 in units of d2 = d / 128):
+ * w signed (ss), or unsigned (us) */
 static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw) {
     __m256i aw = _mm256_sign_epi8(w, w);
     __m256i p = dot_us(aw, _mm256_sign_epi8(load32(x->q + 32 * j), w));
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
-    if (x->q2) {
-        p = dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
-    }
-    return acc;
+    if (!x->q2)
+        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
 }
 
 static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw) {
     __m256i p = dot_us(u, load32(x->q + 32 * j));
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
-    if (x->q2) {
-        p = dot_us(u, load32(x->q2 + 32 * j));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
-    }
-    return acc;
+    if (!x->q2)
+        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
 }
 
 /* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
