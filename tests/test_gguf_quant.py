@@ -163,7 +163,9 @@ def test_real_model_kept_quantized_agrees_with_its_fp32_expansion(real_model_dir
     counted = m.embed_bytes + sum(m.layer_bytes(i) for i in range(n))
     print(f"GGUF tensors {gguf_bytes / 1e6:.1f} MB, shards {stored / 1e6:.1f} MB, placement counts "
           f"{counted / 1e6:.1f} MB")
-    assert stored <= 1.6 * gguf_bytes and counted >= stored * 0.9
+    # (Placement counts what a CPU stage holds: with the block kernel Q5_x/Q6_K sit at the
+    # file's size, below the shard's 8-bit codes.)
+    assert stored <= 1.6 * gguf_bytes and counted >= min(stored, gguf_bytes) * 0.9
     if device.type == "cpu":  # what placement counts is what the loaded stage holds
         held = held_bytes(q)
         print(f"the loaded stage holds {held / 1e6:.1f} MB")
