@@ -274,6 +274,35 @@ static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m
     return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define QB_512 1
+/* Two blocks of 32 in one 512-bit register (llama.cpp's AVX2 width doubled): blocks j and
+ * j + 1 of the input are adjacent, so one load takes both. */
+static inline __m512 pair_ps(__m256 a, __m256 b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+static inline __m512i pair_si(__m256i a, __m256i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+/* acc += sw * (x blocks j, j + 1 . w), w signed [block j | block j + 1]; as acc_ss */
+static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i aw = _mm512_abs_epi8(w);
+    __mmask64 neg = _mm512_movepi8_mask(w);
+    __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * j));
+    __m512i p = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+    if (!x->q2)
+        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
+                               _mm512_cvtepi32_ps(p), acc);
+    xv = _mm512_loadu_si512((const void *)(x->q2 + 32 * j));
+    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv)));
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
+                           _mm512_cvtepi32_ps(p), acc);
+}
+#endif
+
 /* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
  * (a prefill's), with two accumulators a row so that consecutive blocks do not wait on
  * each other's FMA. Inlined with mt a constant (1 or MT) so the accumulators stay in registers. */
@@ -283,6 +312,12 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     __m256 acc[2][MT];
     float accz[MT];
     for (int r = 0; r < mt; r++) { acc[0][r] = acc[1][r] = _mm256_setzero_ps(); accz[r] = 0.0f; }
+#ifdef QB_512
+    __m512 acc5[MT];
+    for (int r = 0; r < mt; r++) acc5[r] = _mm512_setzero_ps();
+#define PAIR_STEP(I, W0, W1, S0, S1) do { __m512i w_ = pair_si(W0, W1); __m512 s_ = pair_ps(S0, S1); \
+        for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w_, &x[r], (I), s_); } while (0)
+#endif
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     switch (type) {
     /* blocks of 32 two at a time, block i into acc[A] (A a constant: registers, not memory) */
@@ -301,8 +336,28 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
         for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
+#ifdef QB_512
+#define Q8_0_W(I) load32(row + 34 * (I) + 2)
+#define Q5_0_W(I) _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 22 * (I) + 6), high_bits32(row + 22 * (I) + 2)), \
+                                  _mm256_set1_epi8(16))
+    case Q8_0: {
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2)
+            PAIR_STEP(i, Q8_0_W(i), Q8_0_W(i + 1), _mm256_set1_ps(f16(row + 34 * i)), _mm256_set1_ps(f16(row + 34 * (i + 1))));
+        if (i < K / 32) Q8_0_STEP(i, 0);
+        break;
+    }
+    case Q5_0: {
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2)
+            PAIR_STEP(i, Q5_0_W(i), Q5_0_W(i + 1), _mm256_set1_ps(f16(row + 22 * i)), _mm256_set1_ps(f16(row + 22 * (i + 1))));
+        if (i < K / 32) Q5_0_STEP(i, 0);
+        break;
+    }
+#else
     case Q8_0: PAIRS(Q8_0_STEP); break;
     case Q5_0: PAIRS(Q5_0_STEP); break;
+#endif
     case Q5_1: PAIRS(Q5_1_STEP); break;
     case Q6_K:
         for (int64_t sb = 0; sb < K / 256; sb++) {
@@ -318,6 +373,17 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                 c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m30));
                 c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                        _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
+#ifdef QB_512
+                _Pragma("GCC unroll 2")
+                for (int k = 0; k < 4; k += 2) {  /* groups k, k + 1: adjacent input blocks */
+                    int64_t j = 8 * sb + 4 * h + k;
+                    const int8_t *q = sc + 8 * h + 2 * k;
+                    __m256 sa = _mm256_setr_ps(d * q[0], d * q[0], d * q[0], d * q[0], d * q[1], d * q[1], d * q[1], d * q[1]);
+                    __m256 sb_ = _mm256_setr_ps(d * q[2], d * q[2], d * q[2], d * q[2], d * q[3], d * q[3], d * q[3], d * q[3]);
+                    PAIR_STEP(j, _mm256_sub_epi8(c[k], _mm256_set1_epi8(32)), _mm256_sub_epi8(c[k + 1], _mm256_set1_epi8(32)),
+                              sa, sb_);
+                }
+#else
                 _Pragma("GCC unroll 4")
                 for (int k = 0; k < 4; k++) {
                     int64_t j = 8 * sb + 4 * h + k;
@@ -326,6 +392,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                     __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
                     for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s);
                 }
+#endif
             }
         }
         break;
@@ -358,7 +425,12 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
         for (int r = 0; r < mt; r++) out[r] = dot_scalar(type, row, &x[r], K);
         return;
     }
-    for (int r = 0; r < mt; r++) out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + accz[r];
+    for (int r = 0; r < mt; r++) {
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + accz[r];
+#ifdef QB_512
+        out[r] += _mm512_reduce_add_ps(acc5[r]);
+#endif
+    }
 }
 
 static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
@@ -368,9 +440,12 @@ static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M
 }
 #endif
 
-/* 2: AVX2 with AVX512-VNNI's dot, 1: AVX2, 0: plain C */
+/* 3: AVX-512 VNNI, two blocks a register (Q8_0, Q5_0, Q6_K), 2: AVX2 with AVX512-VNNI's dot,
+ * 1: AVX2, 0: plain C */
 int qb_simd(void) {
-#if defined(QB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(QB_AVX2) && defined(QB_512)
+    return 3;
+#elif defined(QB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 2;
 #elif defined(QB_AVX2)
     return 1;

@@ -110,7 +110,7 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
     lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = ctypes.c_int
-    log.info("qblocks_loaded", path=str(path), simd=("c", "avx2", "avx2+vnni")[lib.qb_simd()])
+    log.info("qblocks_loaded", path=str(path), simd=("c", "avx2", "avx2+vnni", "avx512+vnni")[lib.qb_simd()])
     return lib
 
 
