@@ -163,8 +163,12 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
     """Bytes a shard file's tensors take once loaded on a CPU with float32 activations:
     floats at 4 bytes, quantized linears in their kernel layout (shards/qlinear.py): int4
     codes plus a bf16 (scale, zero) per group, int8 groups as two 4-bit planes with one
-    pair per group of 32 each, int8 rows with a bf16 scale each. ``lookup`` names the
-    base of an embedding that also keeps its own scales (and zeros) to gather rows."""
+    pair per group of 32 each, int8 rows with a bf16 scale each; GGUF types the C block
+    kernel runs (shards/qblocks.py) at their own block size, as on a CPU where it builds.
+    ``lookup`` names the base of an embedding that also keeps its own scales (and zeros) to
+    gather rows (not with the block kernel: its rows are read from the head's blocks)."""
+    from shards.qblocks import RUNS, block_bytes
+
     total = 0
     for name, shape in shapes.items():
         base = name.rsplit(".", 1)[0]
@@ -174,13 +178,15 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
             total += 4 * n
         elif name.endswith(".qweight"):
             N, K = shape[0], shape[1] * (2 if rec.layout == "int4" else 1)
-            if rec.layout == "int4":
+            if rec.source in RUNS:
+                total += block_bytes(rec.source, N, K)
+            elif rec.layout == "int4":
                 total += N * K // 2 + N * (K // rec.group) * _KERNEL_SZ_BYTES
             elif rec.group is None:
                 total += N * K + 2 * N
             else:
                 total += N * K + 2 * N * (K // 32) * _KERNEL_SZ_BYTES
-        elif base == lookup:  # scales / zeros a gathered embedding row is dequantized with
+        elif base == lookup and rec.source not in RUNS:  # scales / zeros a gathered embedding row is dequantized with
             total += n * (2 if rec.source in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 4)
     return total
 

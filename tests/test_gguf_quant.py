@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from shards import qblocks
 from shards.errors import ModelError
 from shards.convert import convert
 from shards.ggml_blocks import repack
@@ -36,9 +37,11 @@ TENSORS = {t.name: t for t in READER.tensors}
 # GGUF type -> (our layout, group, the CPU kernel path it runs)
 EXPECTED = {"F32": ("float", None, None), "F16": ("float", None, None), "BF16": ("float", None, None),
             "Q4_0": ("int4", 32, "int4pack_cpu"), "Q4_1": ("int4", 32, "int4pack_cpu"),
-            "Q4_K": ("int4", 32, "int4pack_cpu"), "Q8_0": ("int8", 32, "planes_cpu"),
-            "Q5_0": ("int8", 32, "planes_cpu"), "Q5_1": ("int8", 32, "planes_cpu"),
-            "Q5_K": ("int8", 32, "planes_cpu"), "Q6_K": ("int8", 16, "planes_cpu")}
+            "Q4_K": ("int4", 32, "int4pack_cpu"), "Q8_0": ("int8", 32, "blocks_cpu"),
+            "Q5_0": ("int8", 32, "blocks_cpu"), "Q5_1": ("int8", 32, "blocks_cpu"),
+            "Q5_K": ("int8", 32, "blocks_cpu"), "Q6_K": ("int8", 16, "blocks_cpu")}
+if qblocks.library() is None:  # no C compiler: the two-plane int4 path (tests/test_qblocks.py)
+    EXPECTED = {k: (*v[:2], "planes_cpu" if v[2] == "blocks_cpu" else v[2]) for k, v in EXPECTED.items()}
 
 
 @pytest.fixture(scope="module", params=["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"])
@@ -99,8 +102,10 @@ def test_quantized_linear_agrees_with_float_matmul(name, device):
         want = x.double() @ w.T
         worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     print(f"{name}: {path} max relative error {worst:.2e}")
-    # bf16 inputs and bf16 scales (and for Q6_K, requantized to groups of 32): about 2^-8 each.
-    assert worst < (1.5e-2 if t.tensor_type == T.Q6_K else 1e-2), (name, worst)
+    # bf16 inputs and bf16 scales (and for Q6_K, requantized to groups of 32): about 2^-8 each;
+    # the block kernel rounds its input rows to int8 blocks of 32 (as llama.cpp does).
+    tol = 3e-2 if path == "blocks_cpu" else 1.5e-2 if t.tensor_type == T.Q6_K else 1e-2
+    assert worst < tol, (name, worst)
 
 
 @pytest.mark.parametrize("qtype", [T.IQ4_NL, T.TQ1_0, T.MXFP4, T.Q2_K, T.Q3_K, T.IQ2_XXS])
@@ -158,7 +163,9 @@ def test_real_model_kept_quantized_agrees_with_its_fp32_expansion(real_model_dir
     counted = m.embed_bytes + sum(m.layer_bytes(i) for i in range(n))
     print(f"GGUF tensors {gguf_bytes / 1e6:.1f} MB, shards {stored / 1e6:.1f} MB, placement counts "
           f"{counted / 1e6:.1f} MB")
-    assert stored <= 1.6 * gguf_bytes and counted >= stored * 0.9
+    # (Placement counts what a CPU stage holds: with the block kernel Q5_x/Q6_K sit at the
+    # file's size, below the shard's 8-bit codes.)
+    assert stored <= 1.6 * gguf_bytes and counted >= min(stored, gguf_bytes) * 0.9
     if device.type == "cpu":  # what placement counts is what the loaded stage holds
         held = held_bytes(q)
         print(f"the loaded stage holds {held / 1e6:.1f} MB")

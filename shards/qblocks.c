@@ -1,0 +1,511 @@
+/* y = x W^T with W held as llama.cpp's own GGUF blocks, never expanded to float.
+ *
+ * Built at first use by shards/qblocks.py (cc -O3 -march=native -fopenmp -shared -fPIC).
+ * The approach is llama.cpp's CPU one (ggml-cpu quants): each input row is quantized once
+ * per call to int8 in blocks of 32 with a float scale (and the sum of its codes, for the
+ * types with an offset); then each output is a sum over blocks of integer dot products
+ * (AVX2 maddubs/madd, or AVX512-VNNI dpbusd where the CPU has it) times the two scales.
+ * A plain C path does the same where there is no AVX2. OpenMP splits the output rows.
+ *
+ * Block layouts (GGML type ids; bytes little-endian; d, m, dmin fp16):
+ *   Q4_0  2  32 w, 18 B: d, qs[16]                    w = (q - 8) d
+ *   Q4_1  3  32 w, 20 B: d, m, qs[16]                 w = q d + m
+ *   Q5_0  6  32 w, 22 B: d, qh[4], qs[16]             w = (q - 16) d
+ *   Q5_1  7  32 w, 24 B: d, m, qh[4], qs[16]          w = q d + m
+ *   Q8_0  8  32 w, 34 B: d, qs[32] (int8)             w = q d
+ *   Q4_K 12 256 w, 144 B: d, dmin, sc/m[12], qs[128]  w = d sc_i q - dmin m_i (i: 32 w)
+ *   Q5_K 13 256 w, 176 B: d, dmin, sc/m[12], qh[32], qs[128]
+ *   Q6_K 14 256 w, 210 B: ql[128], qh[64], sc[16] (int8), d   w = d sc_i (q - 32) (i: 16 w)
+ * In the 32-weight types qs[j] holds weight j (low nibble) and j + 16 (high), qh bit j
+ * the fifth bit of weight j. The K-quants as ggml_blocks.py reads them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QB_AVX2 1
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static int block_info(int type, int *per, int *bytes) {
+    switch (type) {
+    case Q4_0: *per = 32; *bytes = 18; return 0;
+    case Q4_1: *per = 32; *bytes = 20; return 0;
+    case Q5_0: *per = 32; *bytes = 22; return 0;
+    case Q5_1: *per = 32; *bytes = 24; return 0;
+    case Q8_0: *per = 32; *bytes = 34; return 0;
+    case Q4_K: *per = 256; *bytes = 144; return 0;
+    case Q5_K: *per = 256; *bytes = 176; return 0;
+    case Q6_K: *per = 256; *bytes = 210; return 0;
+    }
+    return -1;
+}
+
+static float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef QB_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    float f;
+    if (e == 0) {
+        f = (float)man * 5.9604644775390625e-8f; /* subnormal (or zero): man * 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static void k_scale_min(const uint8_t *s, int i, int *sc, int *m) {  /* get_scale_min_k4 */
+    if (i < 4) {
+        *sc = s[i] & 63;
+        *m = s[i + 4] & 63;
+    } else {
+        *sc = (s[i + 4] & 0x0F) | ((s[i - 4] >> 6) << 4);
+        *m = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+    }
+}
+
+/* Weights [32g, 32g + 32) of block b: codes q, w = q * s[j / 16] + z (s, z products in
+ * float32 in the order shards/quant.py's dequantize_weight takes them). */
+static void decode32(int type, const uint8_t *b, int g, int8_t *q, float *s, float *z) {
+    int j, sc, m;
+    uint32_t qh;
+    *z = 0.0f;
+    switch (type) {
+    case Q4_0: case Q4_1: {
+        const uint8_t *qs = b + (type == Q4_0 ? 2 : 4);
+        for (j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
+        s[0] = s[1] = f16(b);
+        *z = type == Q4_0 ? -8.0f * s[0] : f16(b + 2);
+        return;
+    }
+    case Q5_0: case Q5_1: {
+        int off = type == Q5_0 ? 2 : 4;
+        const uint8_t *qs = b + off + 4;
+        memcpy(&qh, b + off, 4);
+        for (j = 0; j < 16; j++) {
+            q[j] = (int8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+            q[j + 16] = (int8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+        s[0] = s[1] = f16(b);
+        if (type == Q5_0) { for (j = 0; j < 32; j++) q[j] -= 16; }
+        else *z = f16(b + 2);
+        return;
+    }
+    case Q8_0:
+        memcpy(q, b + 2, 32);
+        s[0] = s[1] = f16(b);
+        return;
+    case Q4_K: case Q5_K: {
+        const uint8_t *qs = b + (type == Q4_K ? 16 : 48) + 32 * (g / 2);
+        k_scale_min(b + 4, g, &sc, &m);
+        for (j = 0; j < 32; j++) {
+            int v = g & 1 ? qs[j] >> 4 : qs[j] & 15;
+            if (type == Q5_K) v |= ((b[16 + j] >> g) & 1) << 4;
+            q[j] = (int8_t)v;
+        }
+        s[0] = s[1] = f16(b) * (float)sc;
+        *z = -(f16(b + 2) * (float)m);
+        return;
+    }
+    case Q6_K: {
+        int h = g / 4, k = g % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (k & 1), *qhp = b + 128 + 32 * h;
+        const int8_t *scp = (const int8_t *)(b + 192) + 8 * h + 2 * k;
+        float d = f16(b + 208);
+        for (j = 0; j < 32; j++) {
+            int lo = k < 2 ? ql[j] & 15 : ql[j] >> 4;
+            q[j] = (int8_t)((lo | (((qhp[j] >> (2 * k)) & 3) << 4)) - 32);
+        }
+        s[0] = d * (float)scp[0];
+        s[1] = d * (float)scp[1];
+        return;
+    }
+    }
+}
+
+/* -- the input rows: int8 blocks of 32 with a scale each ----------------------------------
+ * One rounding keeps 7 bits of a block's largest value: the small values of a block that
+ * holds an outlier (Gemma's residual stream has them) lose most of theirs. With ``two``
+ * passes the rounding error is rounded again, on a grid d2 = d / 128, into a second set of
+ * blocks (|q2| <= 64), and each dot product is taken against both and joined in integers
+ * (128 p1 + p2, in units of d2): about 14 bits, for one more integer dot a block. */
+typedef struct {
+    const int8_t *q, *q2;  /* [K] codes; q2 NULL with one pass */
+    const float *d, *d2;   /* [K / 32] scales */
+    const float *sum;      /* [K / 32] the block's values summed as rounded (offset terms) */
+} xrow;
+
+static float round_block(const float *x, int8_t *q, float *err) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        int v = (int)lrintf(x[j] * id);
+        q[j] = (int8_t)v;
+        if (err) err[j] = x[j] - (float)v * dd;
+    }
+    return dd;
+}
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, int8_t *q2, float *d, float *d2, float *sum) {
+    float err[32];
+    for (int64_t b = 0; b < K / 32; b++) {
+        int32_t s1 = 0, s2 = 0;
+        d[b] = round_block(x + 32 * b, q + 32 * b, q2 ? err : NULL);
+        for (int j = 0; j < 32; j++) s1 += q[32 * b + j];
+        sum[b] = d[b] * (float)s1;
+        if (q2) {
+            float dd = d[b] / 128.0f, id = d[b] > 0.0f ? 128.0f / d[b] : 0.0f;
+            for (int j = 0; j < 32; j++) {
+                int v = (int)lrintf(err[j] * id);
+                v = v > 127 ? 127 : v < -127 ? -127 : v;
+                q2[32 * b + j] = (int8_t)v;
+                s2 += v;
+            }
+            d2[b] = dd;
+            sum[b] += dd * (float)s2;
+        }
+    }
+}
+
+typedef void (*dot_rows_fn)(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out);
+
+static inline int32_t idot16(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += a[i] * b[i];
+    return s;
+}
+
+static float dot_scalar(int type, const uint8_t *row, const xrow *xr, int64_t K) {
+    int per = 32, bytes = 0;
+    block_info(type, &per, &bytes);
+    float acc = 0.0f;
+    int8_t q[32];
+    float s[2], z;
+    for (int64_t blk = 0; blk < K / per; blk++) {
+        for (int g = 0; g < per / 32; g++) {
+            int64_t j = blk * (per / 32) + g;
+            const int8_t *x = xr->q + 32 * j;
+            decode32(type, row + blk * bytes, g, q, s, &z);
+            acc += xr->d[j] * (s[0] * (float)idot16(q, x) + s[1] * (float)idot16(q + 16, x + 16)) + z * xr->sum[j];
+            if (xr->q2) {
+                x = xr->q2 + 32 * j;
+                acc += xr->d2[j] * (s[0] * (float)idot16(q, x) + s[1] * (float)idot16(q + 16, x + 16));
+            }
+        }
+    }
+    return acc;
+}
+
+static void dot_rows_scalar(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++) out[m] = dot_scalar(type, row, &x[m], K);
+}
+
+#ifdef QB_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* unsigned u (0..255) . signed x, int32 lanes of 4 bytes each (lanes 0-3: bytes 0-15) */
+static inline __m256i dot_us(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* signed w . signed x: |w| . (x with w's sign) */
+static inline __m256i dot_ss(__m256i w, __m256i x) {
+    return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static inline __m256i nibbles32(const uint8_t *qs) {  /* qs[16] -> weights 0..31 */
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+static inline __m256i high_bits32(const uint8_t *p) {  /* byte j = 16 where bit j of *p is set */
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), shuf), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(16));
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* acc += sw * (x block j . w) (both passes, joined: 128 p1 + p2 in units of d2 = d / 128):
+ * w signed (ss), or unsigned (us) */
+static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw) {
+    __m256i aw = _mm256_sign_epi8(w, w);
+    __m256i p = dot_us(aw, _mm256_sign_epi8(load32(x->q + 32 * j), w));
+    if (!x->q2)
+        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+}
+
+static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw) {
+    __m256i p = dot_us(u, load32(x->q + 32 * j));
+    if (!x->q2)
+        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
+    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define QB_512 1
+/* Two blocks of 32 in one 512-bit register (llama.cpp's AVX2 width doubled): blocks j and
+ * j + 1 of the input are adjacent, so one load takes both. */
+static inline __m512 pair_ps(__m256 a, __m256 b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+static inline __m512i pair_si(__m256i a, __m256i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+/* acc += sw * (x blocks j, j + 1 . w), w signed [block j | block j + 1]; as acc_ss */
+static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i aw = _mm512_abs_epi8(w);
+    __mmask64 neg = _mm512_movepi8_mask(w);
+    __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * j));
+    __m512i p = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+    if (!x->q2)
+        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
+                               _mm512_cvtepi32_ps(p), acc);
+    xv = _mm512_loadu_si512((const void *)(x->q2 + 32 * j));
+    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv)));
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
+                           _mm512_cvtepi32_ps(p), acc);
+}
+#endif
+
+/* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
+ * (a prefill's), with two accumulators a row so that consecutive blocks do not wait on
+ * each other's FMA. Inlined with mt a constant (1 or MT) so the accumulators stay in registers. */
+#define MT 4
+static inline __attribute__((always_inline)) void dot_tile(int type, const uint8_t *row, const xrow *x, int64_t K,
+                                                           float *out, const int mt) {
+    __m256 acc[2][MT];
+    float accz[MT];
+    for (int r = 0; r < mt; r++) { acc[0][r] = acc[1][r] = _mm256_setzero_ps(); accz[r] = 0.0f; }
+#ifdef QB_512
+    __m512 acc5[MT];
+    for (int r = 0; r < mt; r++) acc5[r] = _mm512_setzero_ps();
+#define PAIR_STEP(I, W0, W1, S0, S1) do { __m512i w_ = pair_si(W0, W1); __m512 s_ = pair_ps(S0, S1); \
+        for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w_, &x[r], (I), s_); } while (0)
+#endif
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    switch (type) {
+    /* blocks of 32 two at a time, block i into acc[A] (A a constant: registers, not memory) */
+#define PAIRS(STEP) do { int64_t i = 0; \
+        for (; i + 1 < K / 32; i += 2) { STEP(i, 0); STEP(i + 1, 1); } \
+        if (i < K / 32) STEP(i, 0); } while (0)
+#define Q8_0_STEP(I, A) do { const uint8_t *b = row + 34 * (I); __m256i w = load32(b + 2); \
+        __m256 s = _mm256_set1_ps(f16(b)); \
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+#define Q5_0_STEP(I, A) do { const uint8_t *b = row + 22 * (I); \
+        __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16)); \
+        __m256 s = _mm256_set1_ps(f16(b)); \
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+#define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
+        __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
+        __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
+                                        accz[r] += z * x[r].sum[(I)]; } } while (0)
+#ifdef QB_512
+#define Q8_0_W(I) load32(row + 34 * (I) + 2)
+#define Q5_0_W(I) _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 22 * (I) + 6), high_bits32(row + 22 * (I) + 2)), \
+                                  _mm256_set1_epi8(16))
+    case Q8_0: {
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2)
+            PAIR_STEP(i, Q8_0_W(i), Q8_0_W(i + 1), _mm256_set1_ps(f16(row + 34 * i)), _mm256_set1_ps(f16(row + 34 * (i + 1))));
+        if (i < K / 32) Q8_0_STEP(i, 0);
+        break;
+    }
+    case Q5_0: {
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2)
+            PAIR_STEP(i, Q5_0_W(i), Q5_0_W(i + 1), _mm256_set1_ps(f16(row + 22 * i)), _mm256_set1_ps(f16(row + 22 * (i + 1))));
+        if (i < K / 32) Q5_0_STEP(i, 0);
+        break;
+    }
+#else
+    case Q8_0: PAIRS(Q8_0_STEP); break;
+    case Q5_0: PAIRS(Q5_0_STEP); break;
+#endif
+    case Q5_1: PAIRS(Q5_1_STEP); break;
+    case Q6_K:
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = row + 210 * sb;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            float d = f16(b + 208);
+            _Pragma("GCC unroll 2")
+            for (int h = 0; h < 2; h++) {
+                __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32), hh = load32(b + 128 + 32 * h);
+                __m256i c[4];
+                c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30));
+                c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30));
+                c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m30));
+                c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
+#ifdef QB_512
+                _Pragma("GCC unroll 2")
+                for (int k = 0; k < 4; k += 2) {  /* groups k, k + 1: adjacent input blocks */
+                    int64_t j = 8 * sb + 4 * h + k;
+                    const int8_t *q = sc + 8 * h + 2 * k;
+                    __m256 sa = _mm256_setr_ps(d * q[0], d * q[0], d * q[0], d * q[0], d * q[1], d * q[1], d * q[1], d * q[1]);
+                    __m256 sb_ = _mm256_setr_ps(d * q[2], d * q[2], d * q[2], d * q[2], d * q[3], d * q[3], d * q[3], d * q[3]);
+                    PAIR_STEP(j, _mm256_sub_epi8(c[k], _mm256_set1_epi8(32)), _mm256_sub_epi8(c[k + 1], _mm256_set1_epi8(32)),
+                              sa, sb_);
+                }
+#else
+                _Pragma("GCC unroll 4")
+                for (int k = 0; k < 4; k++) {
+                    int64_t j = 8 * sb + 4 * h + k;
+                    float s0 = d * (float)sc[8 * h + 2 * k], s1 = d * (float)sc[8 * h + 2 * k + 1];
+                    __m256 s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+                    __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
+                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s);
+                }
+#endif
+            }
+        }
+        break;
+    case Q4_K: case Q5_K:
+        for (int64_t sb = 0; sb < K / 256; sb++) {
+            const uint8_t *b = row + (type == Q4_K ? 144 : 176) * sb;
+            const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
+            float d = f16(b), dmin = f16(b + 2);
+            __m256i hh = type == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int g = 0; g < 8; g++) {
+                int64_t j = 8 * sb + g;
+                int sc, m;
+                k_scale_min(b + 4, g, &sc, &m);
+                __m256i q = load32(qs + 32 * (g / 2));
+                __m256i u = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(q, 4) : q, m4);
+                if (type == Q5_K)  /* bit g of qh byte l -> bit 4 of weight l */
+                    u = _mm256_or_si256(u, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hh, g), 4),
+                                                            _mm256_set1_epi8(16)));
+                __m256 s = _mm256_set1_ps(d * (float)sc);
+                float zm = dmin * (float)m;
+                for (int r = 0; r < mt; r++) {
+                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s);
+                    accz[r] -= zm * x[r].sum[j];
+                }
+            }
+        }
+        break;
+    default:
+        for (int r = 0; r < mt; r++) out[r] = dot_scalar(type, row, &x[r], K);
+        return;
+    }
+    for (int r = 0; r < mt; r++) {
+        out[r] = hsum(_mm256_add_ps(acc[0][r], acc[1][r])) + accz[r];
+#ifdef QB_512
+        out[r] += _mm512_reduce_add_ps(acc5[r]);
+#endif
+    }
+}
+
+static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+    int64_t m = 0;
+    for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT);
+    for (; m < M; m++) dot_tile(type, row, x + m, K, out + m, 1);
+}
+#endif
+
+/* 3: AVX-512 VNNI, two blocks a register (Q8_0, Q5_0, Q6_K), 2: AVX2 with AVX512-VNNI's dot,
+ * 1: AVX2, 0: plain C */
+int qb_simd(void) {
+#if defined(QB_AVX2) && defined(QB_512)
+    return 3;
+#elif defined(QB_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(QB_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] W^T, W [N] rows of K / per blocks; ``two``: round
+ * the input twice (see xrow). 0, or -1 for a type or K it cannot run, -2 out of memory. */
+int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+              int64_t ldy, int threads, int scalar, int two) {
+    int per, bytes;
+    if (block_info(type, &per, &bytes) || K % per || N < 0 || M < 0) return -1;
+    int64_t nb = K / 32, row_bytes = K / per * bytes;
+    int8_t *xq = malloc((size_t)(2 * M * K) + 64);
+    float *xf = malloc(sizeof(float) * (size_t)(3 * M * nb) + 64);
+    xrow *xr = malloc(sizeof(xrow) * (size_t)(M + 1));
+    if (!xq || !xf || !xr) { free(xq); free(xf); free(xr); return -2; }
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = xq + 2 * m * K, *q2 = two ? q + K : NULL;
+        float *d = xf + 3 * m * nb;
+        quantize_row(x + m * K, K, q, q2, d, d + nb, d + 2 * nb);
+        xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb};
+    }
+    dot_rows_fn dot = dot_rows_scalar;
+#ifdef QB_AVX2
+    if (!scalar) dot = dot_rows_avx2;
+#endif
+    float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
+    if (!yt) { free(xq); free(xf); free(xr); return -2; }
+    (void)threads;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
+    if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);
+    else
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++) y[m * ldy + n] = yt[n * M + m];
+    free(xq); free(xf); free(xr); free(yt);
+    return 0;
+}
+
+/* out [T, K] float32: rows ids of W dequantized, bit for bit as dequantize_weight gives them. */
+int qb_rows(int type, const uint8_t *W, int64_t K, const int64_t *ids, int64_t T, float *out) {
+    int per, bytes;
+    if (block_info(type, &per, &bytes) || K % per) return -1;
+    int64_t row_bytes = K / per * bytes;
+    int8_t q[32];
+    float s[2], z;
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *row = W + ids[t] * row_bytes;
+        float *o = out + t * K;
+        for (int64_t blk = 0; blk < K / per; blk++)
+            for (int g = 0; g < per / 32; g++) {
+                decode32(type, row + blk * bytes, g, q, s, &z);
+                for (int i = 0; i < 32; i++) {
+                    float w = (float)q[i] * s[i / 16];
+                    o[blk * per + 32 * g + i] = z != 0.0f ? w + z : w;
+                }
+            }
+    }
+    return 0;
+}
