@@ -75,7 +75,7 @@ def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
                 pos += 1
             return tokens / (time.perf_counter() - t)
 
-    decode()  # warm-up
+    eng.run_sync(decode)  # warm-up, on the engine's thread like every round (see shards/engine.py use_threads)
     out["decode_tok_s"] = [round(eng.run_sync(decode), 2) for _ in range(rounds)]
     out["peak_rss_mb"] = round(_status_mb("VmHWM"), 1)
     eng.close()

@@ -68,7 +68,7 @@ from protocol.messages import (
     Plan,
     Reject,
 )
-from shards.engine import measure_parts
+from shards.engine import apart, measure_parts, use_threads
 from shards.fetch import list_models
 from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
@@ -109,8 +109,9 @@ class Node:
         self.secret = config.load_secret()
         self.node_id = load_node_id(config.state_dir)
         self.device = pick_device(config.device)
-        if config.threads is not None:
-            torch.set_num_threads(config.threads)
+        # Engines run on the configured threads (their workers are made on other threads,
+        # which would start at OpenMP's default); the daemon's own thread keeps one (cmd_run).
+        use_threads(config.threads or torch.get_num_threads(), here=config.threads)
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret,
                                       plaintext=config.debug_plaintext_links)
         self.tokens = TokenCheck(self.secret)  # shard-file requests from peers
@@ -156,7 +157,7 @@ class Node:
         if model_dir is None or manifest is None:
             return Measured()
         try:
-            t = measure_parts(model_dir, self.config.device, self.config.dtype)
+            t = apart(lambda: measure_parts(model_dir, self.config.device, self.config.dtype))
         except (*KNOWN_ERRORS, OSError, RuntimeError) as exc:  # torch's too (out of memory): the probe serves
             log.warning("measure_failed", model=manifest.name, error=str(exc))
             return Measured()
@@ -175,7 +176,7 @@ class Node:
         if manifest is not None:
             models.add(manifest.name)
         # A simulated slow box (debug delay) must look slow to placement too.
-        layer_ms = speed_probe(self.device) + self.config.debug_layer_delay_ms
+        layer_ms = apart(lambda: speed_probe(self.device)) + self.config.debug_layer_delay_ms
         return Capabilities(
             vram=vram,
             ram=total_ram(),

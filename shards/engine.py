@@ -94,8 +94,53 @@ class _Worker:
                 future.set_exception(exc)
 
 
+# Torch threads of an engine's worker once ``use_threads`` set them (None: its creator's).
+_THREADS: int | None = None
+
+
+def use_threads(n: int, here: int | None = 1) -> None:
+    """Run engines' torch work on ``n`` threads and the calling thread's (a daemon's event
+    loop) on ``here`` (None: leave it), so that in a daemon only engine workers and
+    short-lived threads (``apart``) ever run torch's parallel regions.
+
+    libgomp keeps a pool of threads for every thread that has run a parallel region, for as
+    long as that thread lives; once its pools hold more threads than there are cores it stops
+    spinning between regions and wakes its workers by futex each time, hundreds of times a
+    decode step. Measured (SmolLM2 Q4_1, 2 threads on 2 cores): 67-72 tok/s while one thread
+    ran torch, 27-35 once a second thread had too, and the first did not recover."""
+    global _THREADS
+    _THREADS = max(1, int(n))
+    if here is not None:
+        torch.set_num_threads(here)
+
+
+def engine_threads() -> int:
+    return _THREADS if _THREADS is not None else torch.get_num_threads()
+
+
+def apart(fn: Callable[[], R]) -> R:
+    """``fn()`` on a thread of its own with the engines' thread count, waited for: torch work
+    off the engines (start-up probes) whose OpenMP pool ends with that thread."""
+    out: list = []
+
+    def run() -> None:
+        torch.set_num_threads(engine_threads())
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # handed to the caller
+            out.append((False, exc))
+
+    t = threading.Thread(target=run, name="meshd-apart", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 class StageEngine:
-    def __init__(self, stage: Stage, manifest: Manifest):
+    def __init__(self, stage: Stage, manifest: Manifest, worker: _Worker | None = None):
         self.stage = stage
         self.manifest = manifest
         self.config: ModelConfig = manifest.config
@@ -103,8 +148,8 @@ class StageEngine:
         self.device = stage.device
         self.dtype = stage.dtype
         self._caches: dict[str, Caches] = {}
-        # torch's thread count is per OS thread (OpenMP): the worker takes its creator's.
-        self._pool = _Worker(torch.get_num_threads())
+        # torch's thread count is per OS thread (OpenMP): see use_threads.
+        self._pool = worker or _Worker(engine_threads())
         self._closed = False
 
     @classmethod
@@ -113,11 +158,18 @@ class StageEngine:
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         t0 = time.perf_counter()
-        stage, manifest = load_stage(model_dir, span, embed, head, dev, dt, verify=verify)
+        # Loaded (packed, probed) on the engine's own worker, the one thread that runs it after.
+        worker = _Worker(engine_threads())
+        try:
+            stage, manifest = worker.submit(lambda: load_stage(model_dir, span, embed, head, dev, dt,
+                                                               verify=verify)).result()
+        except BaseException:
+            worker.shutdown()
+            raise
         log.info("stage_loaded", model=manifest.name, span=str(span) if span else None, embed=embed,
                  head=head, device=str(dev), dtype=str(dt).removeprefix("torch."),
                  seconds=round(time.perf_counter() - t0, 2))
-        return cls(stage, manifest)
+        return cls(stage, manifest, worker)
 
     # -- the worker thread ----------------------------------------------------------
 

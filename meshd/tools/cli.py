@@ -141,8 +141,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(config.log_level)
     from meshd.node import Node
     from meshd.tools.notify import Notifier
+    from shards.engine import engine_threads, use_threads
 
     node = Node(config)
+    # Torch work belongs to the engines' workers (shards/engine.py use_threads): this thread
+    # (the event loop's) runs on one, so it never keeps an OpenMP pool of its own.
+    use_threads(engine_threads())
     notifier = Notifier.from_env()
 
     async def main() -> None:
