@@ -188,9 +188,8 @@ def pack(t: Mapping[str, Tensor], source: str) -> Tensor:
     if source not in TYPES:
         raise ModelError(f"no block kernel for {source}")
     q = t["qweight"]
-    if source == "Q4_K":
-        from shards.quant import unpack_int4
-        q = unpack_int4(q).to(torch.int16)
+    if source == "Q4_K":  # int4 codes, two a byte, low nibble first (shards/quant.py's layout)
+        q = torch.stack((q & 0x0F, q >> 4), dim=-1).reshape(q.shape[0], -1).to(torch.int16)
     n, k = q.shape
     _, per, size = TYPES[source]
     if k % per:
