@@ -324,36 +324,28 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
 #define PAIRS(STEP) do { int64_t i = 0; \
         for (; i + 1 < K / 32; i += 2) { STEP(i, 0); STEP(i + 1, 1); } \
         if (i < K / 32) STEP(i, 0); } while (0)
-#define Q8_0_STEP(I, A) do { const uint8_t *b = row + 34 * (I); __m256i w = load32(b + 2); \
-        __m256 s = _mm256_set1_ps(f16(b)); \
+    /* block I's signed weights (W) and scale (S), for the types whose blocks are just those */
+#define Q8_0_W(I) load32(row + 34 * (I) + 2)
+#define Q8_0_S(I) _mm256_set1_ps(f16(row + 34 * (I)))
+#define Q5_0_W(I) _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 22 * (I) + 6), high_bits32(row + 22 * (I) + 2)), \
+                                  _mm256_set1_epi8(16))
+#define Q5_0_S(I) _mm256_set1_ps(f16(row + 22 * (I)))
+#define SS_STEP(W, S, I, A) do { __m256i w = W(I); __m256 s = S(I); \
         for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
-#define Q5_0_STEP(I, A) do { const uint8_t *b = row + 22 * (I); \
-        __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high_bits32(b + 2)), _mm256_set1_epi8(16)); \
-        __m256 s = _mm256_set1_ps(f16(b)); \
-        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+#define Q8_0_STEP(I, A) SS_STEP(Q8_0_W, Q8_0_S, I, A)
+#define Q5_0_STEP(I, A) SS_STEP(Q5_0_W, Q5_0_S, I, A)
 #define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
         __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
         for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
 #ifdef QB_512
-#define Q8_0_W(I) load32(row + 34 * (I) + 2)
-#define Q5_0_W(I) _mm256_sub_epi8(_mm256_or_si256(nibbles32(row + 22 * (I) + 6), high_bits32(row + 22 * (I) + 2)), \
-                                  _mm256_set1_epi8(16))
-    case Q8_0: {
-        int64_t i = 0;
-        for (; i + 1 < K / 32; i += 2)
-            PAIR_STEP(i, Q8_0_W(i), Q8_0_W(i + 1), _mm256_set1_ps(f16(row + 34 * i)), _mm256_set1_ps(f16(row + 34 * (i + 1))));
-        if (i < K / 32) Q8_0_STEP(i, 0);
-        break;
-    }
-    case Q5_0: {
-        int64_t i = 0;
-        for (; i + 1 < K / 32; i += 2)
-            PAIR_STEP(i, Q5_0_W(i), Q5_0_W(i + 1), _mm256_set1_ps(f16(row + 22 * i)), _mm256_set1_ps(f16(row + 22 * (i + 1))));
-        if (i < K / 32) Q5_0_STEP(i, 0);
-        break;
-    }
+    /* two blocks a 512-bit register; an odd last block on its own */
+#define PAIRED(W, S, STEP) do { int64_t i = 0; \
+        for (; i + 1 < K / 32; i += 2) PAIR_STEP(i, W(i), W(i + 1), S(i), S(i + 1)); \
+        if (i < K / 32) STEP(i, 0); } while (0)
+    case Q8_0: PAIRED(Q8_0_W, Q8_0_S, Q8_0_STEP); break;
+    case Q5_0: PAIRED(Q5_0_W, Q5_0_S, Q5_0_STEP); break;
 #else
     case Q8_0: PAIRS(Q8_0_STEP); break;
     case Q5_0: PAIRS(Q5_0_STEP); break;
