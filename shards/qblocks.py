@@ -40,23 +40,17 @@ import torch
 from torch import Tensor
 
 from shards.errors import ModelError
+from shards.quant import GGUF_BLOCKS, unpack_int4
 
 log = structlog.get_logger()
 
 SOURCE = Path(__file__).with_name("qblocks.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 # GGUF type name -> (ggml type id, weights per block, bytes per block): what pack() and the
-# kernel take. Q4_0/Q4_1/Q4_K stay on torch's int4 kernel (4 bits + 1 of scales, as fast).
-TYPES = {"Q8_0": (8, 32, 34), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q6_K": (14, 256, 210),
-         "Q5_K": (13, 256, 176), "Q4_K": (12, 256, 144)}
+# kernel take (the sizes are shards/quant.py's GGUF_BLOCKS).
+_GGML_IDS = {"Q8_0": 8, "Q5_0": 6, "Q5_1": 7, "Q6_K": 14, "Q5_K": 13, "Q4_K": 12}
+TYPES = {name: (_GGML_IDS[name], *GGUF_BLOCKS[name]) for name in GGUF_BLOCKS}
 TWO_PASS = True
-RUNS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K")  # the types QuantLinear runs on this kernel
-
-
-def block_bytes(source: str, n: int, k: int) -> int:
-    """Bytes of an [n, k] tensor of GGUF type ``source`` in its blocks."""
-    _, per, size = TYPES[source]
-    return n * (k // per) * size
 
 
 # -- building and loading the library ---------------------------------------------------------
@@ -188,8 +182,8 @@ def pack(t: Mapping[str, Tensor], source: str) -> Tensor:
     if source not in TYPES:
         raise ModelError(f"no block kernel for {source}")
     q = t["qweight"]
-    if source == "Q4_K":  # int4 codes, two a byte, low nibble first (shards/quant.py's layout)
-        q = torch.stack((q & 0x0F, q >> 4), dim=-1).reshape(q.shape[0], -1).to(torch.int16)
+    if source == "Q4_K":
+        q = unpack_int4(q).to(torch.int16)
     n, k = q.shape
     _, per, size = TYPES[source]
     if k % per:

@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from shards import qblocks
 from shards.errors import ModelError
-from shards.quant import (DEFAULT_GROUP, INT4_GROUPS, SUFFIXES, QuantSpec, TensorQuant, dequantize_weight,
-                          quantize_weight, records_of, regroup_int8, unpack_int4)
+from shards.quant import (BLOCK_RUNS, DEFAULT_GROUP, INT4_GROUPS, SUFFIXES, QuantSpec, TensorQuant, block_bytes,
+                          dequantize_weight, quantize_weight, records_of, regroup_int8, unpack_int4)
 
 log = structlog.get_logger()
 
@@ -156,7 +156,7 @@ class QuantLinear(nn.Module):
     def _builders(self, dev: torch.device) -> list:
         """The packed layouts to try, best first (each checked on a probe)."""
         out = []
-        if dev.type == "cpu" and self.record.source in qblocks.RUNS and qblocks.library() is not None:
+        if dev.type == "cpu" and self.record.source in BLOCK_RUNS and qblocks.library() is not None:
             out.append(self._pack_blocks)
         out.append(self._pack_int8 if self.kind == "int8" and self.group_size is None else self._pack_planes)
         return out
@@ -172,10 +172,10 @@ class QuantLinear(nn.Module):
         self._kdtype = torch.float32  # the kernel quantizes its input rows itself
         t, K = self.stored(), self.in_features
         segs = qblocks.segments(t, self.record.source, self.group_size, _CHUNK_ROWS)
-        flat = torch.empty(sum(qblocks.block_bytes(typ, r1 - r0, K) for r0, r1, typ in segs), dtype=torch.uint8)
+        flat = torch.empty(sum(block_bytes(typ, r1 - r0, K) for r0, r1, typ in segs), dtype=torch.uint8)
         self._segments, off = [], 0
         for r0, r1, typ in segs:  # views of the one buffer, packed a chunk of rows at a time
-            size = qblocks.block_bytes(typ, r1 - r0, K)
+            size = block_bytes(typ, r1 - r0, K)
             view = flat[off:off + size].view(r1 - r0, -1)
             for c0 in range(r0, r1, _CHUNK_ROWS):
                 c1 = min(c0 + _CHUNK_ROWS, r1)

@@ -158,6 +158,20 @@ def stored_shapes(want: Mapping[str, tuple[int, ...]], records: Mapping[str, Ten
     return out
 
 
+# GGUF block types as llama.cpp stores them: (weights, bytes) a block. Those in BLOCK_RUNS a
+# CPU keeps in these bytes and runs with the C kernel of shards/qblocks.py; Q4_0/Q4_1/Q4_K
+# stay on torch's int4 kernel (4 bits + 1 of scales, as fast).
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q6_K": (256, 210),
+               "Q5_K": (256, 176), "Q4_K": (256, 144)}
+BLOCK_RUNS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K")
+
+
+def block_bytes(source: str, n: int, k: int) -> int:
+    """Bytes of an [n, k] tensor of GGUF type ``source`` in its blocks."""
+    per, size = GGUF_BLOCKS[source]
+    return n * (k // per) * size
+
+
 def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, TensorQuant],
                    prefix: str = "", lookup: str | None = None) -> int:
     """Bytes a shard file's tensors take once loaded on a CPU with float32 activations:
@@ -167,8 +181,6 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
     kernel runs (shards/qblocks.py) at their own block size, as on a CPU where it builds.
     ``lookup`` names the base of an embedding that also keeps its own scales (and zeros) to
     gather rows (not with the block kernel: its rows are read from the head's blocks)."""
-    from shards.qblocks import RUNS, block_bytes
-
     total = 0
     for name, shape in shapes.items():
         base = name.rsplit(".", 1)[0]
@@ -178,7 +190,7 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
             total += 4 * n
         elif name.endswith(".qweight"):
             N, K = shape[0], shape[1] * (2 if rec.layout == "int4" else 1)
-            if rec.source in RUNS:
+            if rec.source in BLOCK_RUNS:
                 total += block_bytes(rec.source, N, K)
             elif rec.layout == "int4":
                 total += N * K // 2 + N * (K // rec.group) * _KERNEL_SZ_BYTES
@@ -186,7 +198,7 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
                 total += N * K + 2 * N
             else:
                 total += N * K + 2 * N * (K // 32) * _KERNEL_SZ_BYTES
-        elif base == lookup and rec.source not in RUNS:  # scales / zeros a gathered embedding row is dequantized with
+        elif base == lookup and rec.source not in BLOCK_RUNS:  # scales / zeros a gathered embedding row is dequantized with
             total += n * (2 if rec.source in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 4)
     return total
 

@@ -24,7 +24,7 @@ from shards import qblocks
 from shards.errors import ModelError
 from shards.ggml_blocks import repack
 from shards.qlinear import QuantEmbedding, QuantLinear
-from shards.quant import dequantize_weight
+from shards.quant import BLOCK_RUNS, block_bytes
 
 BLOCKS = Path(__file__).parent / "data" / "gguf-blocks.gguf"
 TENSORS = {t.name: t for t in GGUFReader(str(BLOCKS)).tensors}
@@ -54,7 +54,7 @@ def test_pack_gives_back_the_files_blocks(name):
     stored, rec, _, raw = _tensor(name)
     packed = qblocks.pack(stored, rec.source)
     assert packed.dtype == torch.uint8 and torch.equal(packed, raw)
-    assert packed.numel() == qblocks.block_bytes(rec.source, *_tensor(name)[2].shape)
+    assert packed.numel() == block_bytes(rec.source, *_tensor(name)[2].shape)
 
 
 @needs_cc
@@ -105,11 +105,11 @@ def _linear(name: str) -> tuple[QuantLinear, torch.Tensor]:
 
 
 @needs_cc
-@pytest.mark.parametrize("name", [n for n in KERNEL if n.split(".")[0] in qblocks.RUNS])
+@pytest.mark.parametrize("name", [n for n in KERNEL if n.split(".")[0] in BLOCK_RUNS])
 def test_quant_linear_runs_the_blocks_at_their_size(name):
     m, ref = _linear(name)
     assert m.prepare(torch.float32) == "blocks_cpu"
-    assert m._packed.numel() == qblocks.block_bytes(m.record.source, *ref.shape)
+    assert m._packed.numel() == block_bytes(m.record.source, *ref.shape)
     assert not m.stored()  # the shard layout is dropped: the blocks are all it holds
     x = torch.randn(17, ref.shape[1], generator=torch.Generator().manual_seed(2))
     for dt in (torch.float32, torch.bfloat16):
