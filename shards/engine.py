@@ -119,24 +119,13 @@ def engine_threads() -> int:
 
 
 def apart(fn: Callable[[], R]) -> R:
-    """``fn()`` on a thread of its own with the engines' thread count, waited for: torch work
-    off the engines (start-up probes) whose OpenMP pool ends with that thread."""
-    out: list = []
-
-    def run() -> None:
-        torch.set_num_threads(engine_threads())
-        try:
-            out.append((True, fn()))
-        except BaseException as exc:  # handed to the caller
-            out.append((False, exc))
-
-    t = threading.Thread(target=run, name="meshd-apart", daemon=True)
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
+    """``fn()`` on a worker of its own with the engines' thread count, waited for: torch work
+    off the engines (start-up probes) whose OpenMP pool ends with that worker's thread."""
+    worker = _Worker(engine_threads())
+    try:
+        return worker.submit(fn).result()
+    finally:
+        worker.shutdown()
 
 
 class StageEngine:
