@@ -244,9 +244,7 @@ def validate(assignments: Sequence[Assignment], n_layers: int) -> None:
 
 def stage_ms(assignments: Sequence[Assignment], candidates: Iterable[Candidate], costs: Costs) -> list[float]:
     """Each stage's ms per decode step under ``costs``, in plan order (for logs and tests)."""
-    ms = {c.node_id: c.layer_ms for c in candidates}
-    return [_fixed_ms(a.node, costs.supernode, costs.hop_ms, costs.head_ms) + len(a.span) * ms[a.node]
-            for a in assignments]
+    return _stages(assignments, candidates, costs.supernode, costs.hop_ms, costs.head_ms)
 
 
 def bottleneck(
@@ -258,9 +256,13 @@ def bottleneck(
     head_ms: float = 0.0,
 ) -> float:
     """The slowest stage of a plan, in ms per decode step."""
+    return max(_stages(assignments, candidates, supernode, hop_ms, head_ms), default=0.0)
+
+
+def _stages(assignments: Sequence[Assignment], candidates: Iterable[Candidate], supernode: NodeId,
+            hop_ms: float, head_ms: float) -> list[float]:
     ms = {c.node_id: c.layer_ms for c in candidates}
-    stages = [_fixed_ms(a.node, supernode, hop_ms, head_ms) + len(a.span) * ms[a.node] for a in assignments]
-    return max(stages, default=0.0)
+    return [_fixed_ms(a.node, supernode, hop_ms, head_ms) + len(a.span) * ms[a.node] for a in assignments]
 
 
 # -- helpers ----------------------------------------------------------------------
