@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from meshd import __version__
@@ -80,7 +81,4 @@ def build_status(node: Daemon) -> dict:
 
 def _measured(m: Measured) -> dict | None:
     """A peer's timing of the model's real parts, as placement weighs it (None: not timed)."""
-    if not m.model:
-        return None
-    return {"model": m.model, "layer_ms": m.layer_ms, "layer_ms_batch": m.layer_ms_batch, "head_ms": m.head_ms,
-            "head_ms_batch": m.head_ms_batch, "batch": m.batch}
+    return dataclasses.asdict(m) if m.model else None
