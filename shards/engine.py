@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import queue
 import threading
@@ -22,6 +23,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from shards import rowops
 from shards.errors import ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
@@ -309,7 +311,8 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
     if isinstance(target, StageEngine) and target.span is not None:
         block = target.stage.layers[str(target.span.start)]
         cfg, dev, dt = target.config, target.device, target.dtype
-        return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context, batch))
+        lib = target.stage.rowops
+        return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context, batch, lib))
     cfg = target.config if isinstance(target, StageEngine) else target
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -319,17 +322,18 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
         for p in block.parameters():
             p.normal_(0, 0.02)
     with torch.inference_mode():
-        return _time_block(block, cfg, dev, dt, budget_s, context, batch)
+        return _time_block(block, cfg, dev, dt, budget_s, context, batch, rowops.library_for(dev, dt))
 
 
 def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dtype,
-                budget_s: float, context: int, batch: int = 1) -> float:
+                budget_s: float, context: int, batch: int = 1, lib=None) -> float:
     """ms of one decode step of ``batch`` sessions (``context`` cached positions each)
-    through ``block`` (see ``_low_ms``)."""
+    through ``block`` (see ``_low_ms``), as the stage runs it (``lib``: shards/rowops.py)."""
+    forward = block if lib is None else functools.partial(_rowops_block, lib, block)
     caches = [KVCache(cfg.n_kv_heads, cfg.head_dim, dt, dev) for _ in range(batch)]
     x = torch.randn(context * batch, cfg.hidden_size, device=dev, dtype=dt)
     cos, sin = rope_tables(cfg, block.sliding, [(0, context)] * batch, dev, dt)
-    block(x, cos, sin, [(0, context, cache) for cache in caches])  # prefill the contexts, also the warm-up
+    forward(x, cos, sin, [(0, context, cache) for cache in caches])  # prefill the contexts, also the warm-up
     rows = x[:batch]
     c, s = rope_tables(cfg, block.sliding, [(context, 1)] * batch, dev, dt)
     segments = [(context, 1, cache) for cache in caches]
@@ -337,11 +341,15 @@ def _time_block(block: Block, cfg: ModelConfig, dev: torch.device, dt: torch.dty
     def step() -> None:
         for cache in caches:
             cache.truncate(context)
-        block(rows, c, s, segments)
+        forward(rows, c, s, segments)
 
     for _ in range(3):  # the first calls of a fresh process pay for allocations and lazy set-up
         step()
     return _low_ms(step, dev, budget_s)
+
+
+def _rowops_block(lib, block: Block, x: Tensor, *rest) -> Tensor:
+    return rowops.block(lib, block, x.clone(), *rest)  # (it updates x in place)
 
 
 def _low_ms(fn: Callable[[], object], dev: torch.device, budget_s: float, most: int = 200) -> float:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from shards.errors import ModelError
-from shards import qlinear, quant
+from shards import qlinear, quant, rowops
 from shards.config import ModelConfig
 from shards.families import family
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
@@ -88,13 +88,17 @@ class KVCache:
         v[:, : self.length] = self.v[:, : self.length]
         self.k, self.v = k, v
 
-    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [nkv, T, hd] at ``start`` (== length); return all [nkv, S, hd]."""
+    def reserve(self, start: int, rows: int) -> None:
+        """Room for ``rows`` positions from ``start``, which must be the length."""
         if start != self.length:
             raise ModelError(f"KV cache holds {self.length} positions, cannot append at {start}")
+        if start + rows > self.capacity:
+            self._grow(start + rows)
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [nkv, T, hd] at ``start`` (== length); return all [nkv, S, hd]."""
+        self.reserve(start, k.shape[1])
         end = start + k.shape[1]
-        if end > self.capacity:
-            self._grow(end)
         self.k[:, start:end] = k
         self.v[:, start:end] = v
         self.length = end
@@ -134,11 +138,7 @@ class Attention(nn.Module):
         else:
             qk = torch.cat((self.wq(x).view(N, nq, hd), self.wk(x).view(N, nkv, hd)), dim=1)
             v = self.wv(x).view(N, nkv, hd)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
-        # One rope over the q and k heads together.
-        q, k = apply_rope(qk.transpose(0, 1), cos, sin).split((nq, nkv))  # [nh, N, hd], [nkv, N, hd]
-        v = v.transpose(0, 1)  # [nkv, N, hd]
+        q, k, v = self.heads(qk, v, cos, sin)
         if len(segments) == 1:
             start, _, cache = segments[0]
             y = self._attend(q, k, v, start, cache)
@@ -150,6 +150,16 @@ class Attention(nn.Module):
                 off += rows
             y = torch.cat(ys, dim=1)
         return self.wo(y.transpose(0, 1).reshape(N, -1))  # [nh, N, hd] -> [N, H]
+
+    def heads(self, qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q and k heads [N, nh + nkv, hd] normed and roped, v [N, nkv, hd] -> q [nh, N, hd],
+        k and v [nkv, N, hd]."""
+        nq = self.n_heads
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
+        # One rope over the q and k heads together.
+        q, k = apply_rope(qk.transpose(0, 1), cos, sin).split((nq, self.n_kv_heads))
+        return q, k, v.transpose(0, 1)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: KVCache | None) -> Tensor:
         """One segment: q [nh, T, hd], k/v [nkv, T, hd] at positions start.. -> [nh, T, hd]."""
@@ -244,6 +254,7 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(c, i) for i in (span or ())})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
         self.output = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
+        self.rowops = None  # shards/rowops.py's library, where load_stage found it can run
         self.tie()
 
     def tie(self) -> None:
@@ -282,6 +293,8 @@ class Stage(nn.Module):
         if self.span is None:
             return hidden
         x = hidden.to(device=self.device, dtype=self.dtype)
+        if self.rowops is not None:  # updated in place there: never the caller's tensor
+            x = x.clone(memory_format=torch.contiguous_format)
         spans = [(start, rows) for start, rows, _ in batch]
         ropes: dict[bool, Rope] = {}  # by layer kind: sliding or not
         for i in self.span:
@@ -289,7 +302,10 @@ class Stage(nn.Module):
             if block.sliding not in ropes:
                 ropes[block.sliding] = rope_tables(self.config, block.sliding, spans, x.device, x.dtype)
             segments = [(start, rows, None if caches is None else caches[i]) for start, rows, caches in batch]
-            x = block(x, *ropes[block.sliding], segments)
+            if self.rowops is not None:
+                x = rowops.block(self.rowops, block, x, *ropes[block.sliding], segments)
+            else:
+                x = block(x, *ropes[block.sliding], segments)
         return x
 
     def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
@@ -412,5 +428,6 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
     fuse(stage)
     if records:
         qlinear.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
+    stage.rowops = rowops.library_for(device, dtype)
     stage.eval()
     return stage, manifest

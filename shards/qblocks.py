@@ -78,33 +78,47 @@ def _cpu_id() -> bytes:
     return platform.processor().encode()
 
 
+def build(source: Path) -> ctypes.CDLL | None:
+    """``source`` (a C file of shards/) compiled with FLAGS and loaded, from the cache when
+    built before; None where it cannot be built or loaded here (said once in the log)."""
+    return _build(os.environ.get("CC") or "cc", str(_cache_dir()), str(source))
+
+
 @functools.cache
-def _load(cc: str, cache: str) -> ctypes.CDLL | None:
+def _build(cc: str, cache: str, source: str) -> ctypes.CDLL | None:
     cmd = [*shlex.split(cc), *FLAGS]
-    src = SOURCE.read_bytes()
+    src = Path(source).read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(cmd).encode(), platform.machine().encode(), _cpu_id()]))
-    path = Path(cache) / f"qblocks-{key.hexdigest()[:20]}.so"
+    stem = Path(source).stem
+    path = Path(cache) / f"{stem}-{key.hexdigest()[:20]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".qblocks-", suffix=".so")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{stem}-", suffix=".so")
             os.close(fd)
             try:
-                subprocess.run([*cmd, str(SOURCE), "-o", tmp], check=True, capture_output=True, timeout=300)
+                subprocess.run([*cmd, source, "-o", tmp], check=True, capture_output=True, timeout=300)
                 os.replace(tmp, path)  # atomic: another process sees no file or a whole one
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         err = getattr(e, "stderr", None) or b""
-        log.warning("qblocks_unavailable", cc=cc, reason=(str(e) + " " + err.decode(errors="replace"))[:300])
+        log.warning(f"{stem}_unavailable", cc=cc, reason=(str(e) + " " + err.decode(errors="replace"))[:300])
+        return None
+
+
+@functools.cache
+def _load(cc: str, cache: str) -> ctypes.CDLL | None:
+    lib = _build(cc, cache, str(SOURCE))
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = ctypes.c_int
-    log.info("qblocks_loaded", path=str(path), simd=("c", "avx2", "avx2+vnni", "avx512+vnni")[lib.qb_simd()])
+    log.info("qblocks_loaded", simd=("c", "avx2", "avx2+vnni", "avx512+vnni")[lib.qb_simd()])
     return lib
 
 

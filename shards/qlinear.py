@@ -273,6 +273,17 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    @property
+    def in_dtype(self) -> torch.dtype:
+        """The dtype ``raw`` takes: the kernel's (bf16 for torch's packed CPU kernels)."""
+        return torch.float32 if self._packed is None else self._kdtype
+
+    def raw(self, x: Tensor) -> Tensor:  # [M, K] in ``in_dtype`` -> [M, N], bf16 or float32
+        """The matmul with no cast either side: the kernel's own output dtype (float32 with a
+        bias). shards/rowops.py writes the input in this dtype and reads the output as is."""
+        y = F.linear(x, self.dense_weight(x.dtype)) if self._packed is None else self._kernel(_aligned(x))
+        return y if self.bias is None else y.float() + self.bias
+
     def _rescored(self, x: Tensor, y: Tensor) -> Tensor:
         """The kernels round their input and output to bf16 (2^-9 of each logit), which
         flips near-tied top tokens; the head's top ``rescore`` logits of each row are

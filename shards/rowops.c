@@ -1,0 +1,218 @@
+/* The small per-row steps of a transformer layer on the CPU, fused.
+ *
+ * Built at first use by shards/qblocks.py, as qblocks.c is. A decode step's matmuls are a
+ * few big kernel calls, but between them torch ran about 80 small ops a layer (norms,
+ * casts, rope, the KV write, attention, the activation, residual adds) at 1-3 us each:
+ * more time than the matmuls took. Each function here does one stretch of them over
+ * whole rows in one call (shards/rowops.py says which).
+ *
+ * Activations are float32; an input or output marked bf16 is bfloat16 (what torch's int4
+ * kernels take and give), read exactly and written rounded to nearest even, as torch's
+ * .to(torch.bfloat16) does. Sums run in float with 16 lanes (omp simd), so a result may
+ * differ from torch's in the last bits; every path of meshd runs the same code for the
+ * same row, so one node and a mesh, batched or not, give the same floats.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_load(const uint16_t *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* a NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* n values from p (float32, or bf16 when bf16) into dst. */
+static void load(float *restrict dst, const void *p, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *s = p;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_load(s + i);
+    } else {
+        memcpy(dst, p, (size_t)n * 4);
+    }
+}
+
+static void store(void *p, const float *restrict src, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *d = p;
+        for (int64_t i = 0; i < n; i++) d[i] = bf16_round(src[i]);
+    } else {
+        memcpy(p, src, (size_t)n * 4);
+    }
+}
+
+static inline const void *row(const void *p, int64_t r, int64_t stride, int bf16) {
+    return (const char *)p + r * stride * (bf16 ? 2 : 4);
+}
+
+/* e^x for x <= 0 (softmax, where x = s - max) and for the activations: Cephes' expf
+ * reduction to 2^n e^r, |r| <= ln2/2, with its degree-6 polynomial (about 1 ulp), in a
+ * form the compiler vectorizes, which libm's expf is not without -ffast-math. */
+static inline float vexp(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+static float sum_squares(const float *restrict x, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s) simdlen(16)
+    for (int64_t i = 0; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+/* x <- x * rsqrt(mean(x^2) + eps) * w, in place. */
+static void rms_norm(float *restrict x, int64_t n, const float *restrict w, float eps) {
+    float rstd = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * rstd * w[i];
+}
+
+/* For each of n rows of h: when a is given, x += a (a normed by post first when given);
+ * then when w is given, out = rms_norm(x, w). The start and the middle of a block:
+ * norm, or residual add + norm, in one pass. */
+int ro_add_norm(int64_t n, int64_t h, float *x, int64_t sx, const void *a, int64_t sa, int a_bf16,
+                const float *post, const float *w, float eps, void *out, int64_t so, int out_bf16) {
+    float *t = malloc((size_t)h * 4);
+    if (!t) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        float *xr = x + r * sx;
+        if (a) {
+            load(t, row(a, r, sa, a_bf16), h, a_bf16);
+            if (post) rms_norm(t, h, post, eps);
+#pragma omp simd
+            for (int64_t i = 0; i < h; i++) xr[i] = xr[i] + t[i];
+        }
+        if (w) {
+            memcpy(t, xr, (size_t)h * 4);
+            rms_norm(t, h, w, eps);
+            store((char *)out + r * so * (out_bf16 ? 2 : 4), t, h, out_bf16);
+        }
+    }
+    free(t);
+    return 0;
+}
+
+/* out = act(gate) * up for n rows of `inter`; act is SiLU, or GELU's tanh form (gelu). */
+int ro_act_mul(int64_t n, int64_t inter, const void *g, int64_t sg, int g_bf16, const void *u, int64_t su,
+               int u_bf16, int gelu, void *out, int64_t so, int out_bf16) {
+    float *gt = malloc((size_t)inter * 8);
+    if (!gt) return -1;
+    float *ut = gt + inter;
+    for (int64_t r = 0; r < n; r++) {
+        load(gt, row(g, r, sg, g_bf16), inter, g_bf16);
+        load(ut, row(u, r, su, u_bf16), inter, u_bf16);
+        if (gelu) {
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) {
+                float v = gt[i], z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+                float e = vexp(-2.0f * fabsf(z)); /* tanh(|z|) = (1 - e) / (1 + e) */
+                float th = (1.0f - e) / (1.0f + e);
+                th = z < 0 ? -th : th;
+                gt[i] = 0.5f * v * (1.0f + th) * ut[i];
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < inter; i++) gt[i] = gt[i] / (1.0f + vexp(-gt[i])) * ut[i];
+        }
+        store((char *)out + r * so * (out_bf16 ? 2 : 4), gt, inter, out_bf16);
+    }
+    free(gt);
+    return 0;
+}
+
+/* x (heads of hd) <- x * cos + roll(x, hd / 2) * ssin: the rotate-half rope with the sign
+ * folded into ssin (shards/model.py's apply_rope). */
+static void rope(float *restrict x, int64_t heads, int64_t hd, const float *restrict cos,
+                 const float *restrict ssin, float *restrict tmp) {
+    int64_t half = hd / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * hd;
+        for (int64_t j = 0; j < hd; j++) tmp[j] = xh[j] * cos[j] + xh[(j + half) % hd] * ssin[j];
+        memcpy(xh, tmp, (size_t)hd * 4);
+    }
+}
+
+/* One new position of one session through attention: its q, k, v heads (q/k normed per
+ * head when qn/kn are given, then roped with this row's cos and signed sin), k and v
+ * written into the session's cache [nkv, cap, hd] at pos, then each q head attends to
+ * keys first..pos of its kv head (q head i reads kv head i / (nq / nkv)) with softmax at
+ * `scale`. out: the heads side by side [nq * hd]. */
+int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, const void *k, int k_bf16,
+              const void *v, int v_bf16, const float *qn, const float *kn, float eps, const float *cos,
+              const float *ssin, float *kc, float *vc, int64_t cap, int64_t pos, int64_t first, float scale,
+              void *out, int out_bf16) {
+    if (nkv <= 0 || nq % nkv || hd % 2 || pos < first || first < 0 || pos >= cap) return -2;
+    int64_t S = pos - first + 1, group = nq / nkv;
+    float *buf = malloc((size_t)((nq + 2 * nkv) * hd + hd + S + nq * hd) * 4);
+    if (!buf) return -1;
+    float *qf = buf, *kf = qf + nq * hd, *vf = kf + nkv * hd, *tmp = vf + nkv * hd, *p = tmp + hd;
+    float *o = p + S;
+    load(qf, q, nq * hd, q_bf16);
+    load(kf, k, nkv * hd, k_bf16);
+    load(vf, v, nkv * hd, v_bf16);
+    if (qn)
+        for (int64_t h = 0; h < nq; h++) rms_norm(qf + h * hd, hd, qn, eps);
+    if (kn)
+        for (int64_t h = 0; h < nkv; h++) rms_norm(kf + h * hd, hd, kn, eps);
+    rope(qf, nq, hd, cos, ssin, tmp);
+    rope(kf, nkv, hd, cos, ssin, tmp);
+    for (int64_t h = 0; h < nkv; h++) {
+        memcpy(kc + (h * cap + pos) * hd, kf + h * hd, (size_t)hd * 4);
+        memcpy(vc + (h * cap + pos) * hd, vf + h * hd, (size_t)hd * 4);
+    }
+    for (int64_t h = 0; h < nq; h++) {
+        const float *qh = qf + h * hd;
+        const float *kh = kc + ((h / group) * cap + first) * hd, *vh = vc + ((h / group) * cap + first) * hd;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < S; j++) {
+            const float *kj = kh + j * hd;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s) simdlen(16)
+            for (int64_t d = 0; d < hd; d++) s += qh[d] * kj[d];
+            p[j] = s * scale;
+            m = p[j] > m ? p[j] : m;
+        }
+        float z = 0.0f;
+#pragma omp simd reduction(+ : z) simdlen(16)
+        for (int64_t j = 0; j < S; j++) {
+            p[j] = vexp(p[j] - m);
+            z += p[j];
+        }
+        float *oh = o + h * hd, inv = 1.0f / z;
+        memset(oh, 0, (size_t)hd * 4);
+        for (int64_t j = 0; j < S; j++) {
+            const float *vj = vh + j * hd;
+            float pj = p[j] * inv;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; d++) oh[d] += pj * vj[d];
+        }
+    }
+    store(out, o, nq * hd, out_bf16);
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,123 @@
+"""shards/rowops.py: a block with its small steps fused in C computes what the torch block
+does, for every family switch, float and int4 weights, decode rows and prompt chunks mixed
+in one batch; a row's result does not depend on what else is in its batch; and without a
+compiler the torch forward runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shards import qlinear, rowops
+from shards.config import ModelConfig
+from shards.model import Stage, fuse, rope_tables
+from shards.quant import QuantSpec
+from shards.span import Span
+
+LIB = rowops.library_for(torch.device("cpu"), torch.float32)
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build shards/rowops.c")
+
+BASE = dict(n_layers=2, hidden_size=64, intermediate_size=160, n_heads=4, n_kv_heads=2, head_dim=16,
+            rope_theta=10000.0, rms_norm_eps=1e-6, vocab_size=50, max_position=512, tie_embeddings=False)
+CONFIGS = {
+    "llama": {},
+    "qwen2": {"attn_bias": True, "n_kv_heads": 1},
+    "gemma3": {"qk_norm": True, "sandwich_norms": True, "hidden_act": "gelu_tanh", "sliding_window": 5,
+               "layer_types": ("sliding", "full"), "rope_local_theta": 10000.0, "query_scale": 0.2},
+}
+
+
+def _stage(name: str, weights: str) -> Stage:
+    torch.manual_seed(0)
+    stage = Stage(ModelConfig(**(BASE | CONFIGS[name])), Span(0, 2), embed=False, head=False)
+    with torch.no_grad():
+        for n, p in stage.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.2 * torch.randn_like(p))
+    fuse(stage)
+    if weights == "int4":
+        qlinear.quantize_stage(stage, QuantSpec("int4", 32))
+    return stage.eval()
+
+
+def _forward(stage: Stage, lib, x: torch.Tensor, batch) -> torch.Tensor:
+    stage.rowops = lib
+    with torch.inference_mode():
+        return stage.forward_batch(x, batch)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_fused_block_computes_what_the_torch_block_does(name, weights):
+    stage = _stage(name, weights)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randn(n, 64, generator=gen) for n in (9, 3)]
+    runs = {}
+    for label, lib in (("torch", None), ("fused", LIB)):
+        caches = [stage.new_caches() for _ in prompts]
+        outs = [_forward(stage, lib, p, [(0, len(p), c)]) for p, c in zip(prompts, caches)]
+        # one step: a decode row of each session and a new prompt's chunk, in one batch
+        new = stage.new_caches()
+        rows = torch.cat([prompts[0][:1] * 0.5, torch.randn(4, 64, generator=torch.Generator().manual_seed(2)),
+                          prompts[1][:1] * 0.5])
+        outs.append(_forward(stage, lib, rows, [(9, 1, caches[0]), (0, 4, new), (3, 1, caches[1])]))
+        runs[label] = outs, caches + [new]
+    (want, want_c), (got, got_c) = runs["torch"], runs["fused"]
+    # int4: the kernels round their input to bf16, so a last-bit difference before them can
+    # move an input by one bf16 step (2^-8 relative) and the output by about that much
+    tol = 1e-5 if weights == "float" else 2e-2
+    for w, g in zip(want, got):
+        assert ((w - g).abs().max() / w.abs().max()).item() < tol
+    for wc, gc in zip(want_c, got_c):
+        for layer in wc:
+            n = wc[layer].length
+            assert gc[layer].length == n
+            assert ((wc[layer].k[:, :n] - gc[layer].k[:, :n]).abs().max() / wc[layer].k[:, :n].abs().max()) < tol
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_rows_result_does_not_depend_on_its_batch(name):
+    """What makes batched generation equal plain generation token for token."""
+    stage = _stage(name, "int4")
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(7, 64, generator=gen), torch.randn(6, 64, generator=gen)
+    ca, cb = stage.new_caches(), stage.new_caches()
+    _forward(stage, LIB, a, [(0, 7, ca)])
+    _forward(stage, LIB, b, [(0, 6, cb)])
+    step = torch.randn(1, 64, generator=gen)
+    alone = _forward(stage, LIB, step, [(7, 1, copy.deepcopy(ca))])
+    other = torch.randn(3, 64, generator=gen)
+    mixed = _forward(stage, LIB, torch.cat([other[:1], step, other[1:]]),
+                     [(6, 1, cb), (7, 1, ca), (0, 2, stage.new_caches())])
+    assert torch.equal(mixed[1:2], alone)
+
+
+def test_a_decode_row_past_the_window_sees_only_the_window():
+    """Gemma's sliding layer: keys older than the window are not attended to."""
+    stage = _stage("gemma3", "float")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(12, 64, generator=gen)
+    cache = stage.new_caches()
+    _forward(stage, LIB, x, [(0, 12, cache)])
+    block = stage.layers["0"]  # sliding, window 5
+    row = torch.randn(1, 64, generator=gen)
+    cos, sin = rope_tables(stage.config, True, [(12, 1)], row.device, row.dtype)
+    with torch.inference_mode():
+        want = block(row, cos, sin, [(12, 1, copy.deepcopy(cache[0]))])
+        c = copy.deepcopy(cache[0])
+        c.k[:, :8] = 1e3  # positions 0..7 are outside the window of position 12
+        got = rowops.block(LIB, block, row.clone(), cos, sin, [(12, 1, c)])
+    assert ((want - got).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_without_a_compiler_the_torch_forward_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("MESHD_KERNEL_CACHE", str(tmp_path))
+    assert rowops.library_for(torch.device("cpu"), torch.float32) is None
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("MESHD_ROWOPS", "0")
+    assert rowops.library_for(torch.device("cpu"), torch.float32) is None
+    monkeypatch.delenv("MESHD_ROWOPS")
+    assert rowops.library_for(torch.device("cpu"), torch.bfloat16) is None
+    assert rowops.library_for(torch.device("meta"), torch.float32) is None
