@@ -27,10 +27,9 @@ static inline float bf16_load(const uint16_t *p) {
 static inline uint16_t bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40); /* a NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u; /* a NaN stays a (quiet) NaN */
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(nan ? (u >> 16) | 0x40 : r);
 }
 
 /* n values from p (float32, or bf16 when bf16) into dst. */
@@ -46,7 +45,8 @@ static void load(float *restrict dst, const void *p, int64_t n, int bf16) {
 
 static void store(void *p, const float *restrict src, int64_t n, int bf16) {
     if (bf16) {
-        uint16_t *d = p;
+        uint16_t *restrict d = p;
+#pragma omp simd
         for (int64_t i = 0; i < n; i++) d[i] = bf16_round(src[i]);
     } else {
         memcpy(p, src, (size_t)n * 4);
@@ -57,12 +57,23 @@ static inline const void *row(const void *p, int64_t r, int64_t stride, int bf16
     return (const char *)p + r * stride * (bf16 ? 2 : 4);
 }
 
+/* x held to [lo, hi] by bit masks: with ?: or fminf GCC leaves vexp's loops scalar. */
+static inline float clampf(float x, float lo, float hi) {
+    union { float f; int32_t i; } v = {x}, l = {lo}, h = {hi};
+    int32_t below = -(x < lo), above = -(x > hi);
+    v.i = (v.i & ~below) | (l.i & below);
+    v.i = (v.i & ~above) | (h.i & above);
+    return v.f;
+}
+
 /* e^x for x <= 0 (softmax, where x = s - max) and for the activations: Cephes' expf
  * reduction to 2^n e^r, |r| <= ln2/2, with its degree-6 polynomial (about 1 ulp), in a
  * form the compiler vectorizes, which libm's expf is not without -ffast-math. */
 static inline float vexp(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    x = clampf(x, -87.3f, 88.3f);
+    float t = x * 1.44269504088896341f;
+    int32_t k = (int32_t)(t + copysignf(0.5f, t)); /* nearest (floorf would not vectorize) */
+    float n = (float)k;
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -72,10 +83,8 @@ static inline float vexp(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return p * s;
+    union { int32_t i; float f; } s = {.i = (k + 127) << 23};
+    return p * s.f;
 }
 
 static float sum_squares(const float *restrict x, int64_t n) {
@@ -117,6 +126,21 @@ int ro_add_norm(int64_t n, int64_t h, float *x, int64_t sx, const void *a, int64
     return 0;
 }
 
+static void silu_mul(float *restrict g, const float *restrict u, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + vexp(-g[i])) * u[i];
+}
+
+static void gelu_mul(float *restrict g, const float *restrict u, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float v = g[i], z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        float e = vexp(-2.0f * fabsf(z)); /* tanh(|z|) = (1 - e) / (1 + e) */
+        float th = (1.0f - e) / (1.0f + e);
+        g[i] = 0.5f * v * (1.0f + copysignf(th, z)) * u[i];
+    }
+}
+
 /* out = act(gate) * up for n rows of `inter`; act is SiLU, or GELU's tanh form (gelu). */
 int ro_act_mul(int64_t n, int64_t inter, const void *g, int64_t sg, int g_bf16, const void *u, int64_t su,
                int u_bf16, int gelu, void *out, int64_t so, int out_bf16) {
@@ -126,19 +150,7 @@ int ro_act_mul(int64_t n, int64_t inter, const void *g, int64_t sg, int g_bf16, 
     for (int64_t r = 0; r < n; r++) {
         load(gt, row(g, r, sg, g_bf16), inter, g_bf16);
         load(ut, row(u, r, su, u_bf16), inter, u_bf16);
-        if (gelu) {
-#pragma omp simd
-            for (int64_t i = 0; i < inter; i++) {
-                float v = gt[i], z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-                float e = vexp(-2.0f * fabsf(z)); /* tanh(|z|) = (1 - e) / (1 + e) */
-                float th = (1.0f - e) / (1.0f + e);
-                th = z < 0 ? -th : th;
-                gt[i] = 0.5f * v * (1.0f + th) * ut[i];
-            }
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < inter; i++) gt[i] = gt[i] / (1.0f + vexp(-gt[i])) * ut[i];
-        }
+        (gelu ? gelu_mul : silu_mul)(gt, ut, inter);
         store((char *)out + r * so * (out_bf16 ? 2 : 4), gt, inter, out_bf16);
     }
     free(gt);
@@ -157,6 +169,49 @@ static void rope(float *restrict x, int64_t heads, int64_t hd, const float *rest
     }
 }
 
+/* s[j] = scale * (q . k_j) for keys k_0..k_{S-1} (rows of hd): four keys at a time, each
+ * with lanes of its own, summed across lanes once per key. */
+static void scores(const float *restrict q, const float *restrict k, int64_t S, int64_t hd, float scale,
+                   float *restrict s) {
+    int64_t j = 0;
+    for (; j + 4 <= S; j += 4) {
+        const float *k0 = k + j * hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (int64_t d = 0; d < hd; d++) {
+            a0 += q[d] * k0[d];
+            a1 += q[d] * k1[d];
+            a2 += q[d] * k2[d];
+            a3 += q[d] * k3[d];
+        }
+        s[j] = a0 * scale;
+        s[j + 1] = a1 * scale;
+        s[j + 2] = a2 * scale;
+        s[j + 3] = a3 * scale;
+    }
+    for (; j < S; j++) {
+        float a = 0.0f;
+        const float *kj = k + j * hd;
+#pragma omp simd reduction(+ : a)
+        for (int64_t d = 0; d < hd; d++) a += q[d] * kj[d];
+        s[j] = a * scale;
+    }
+}
+
+/* p <- softmax(p) over n. */
+static void softmax(float *restrict p, int64_t n) {
+    float m = -INFINITY, z = 0.0f;
+    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+#pragma omp simd reduction(+ : z)
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = vexp(p[j] - m);
+        z += p[j];
+    }
+    float inv = 1.0f / z;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) p[j] *= inv;
+}
+
 /* One new position of one session through attention: its q, k, v heads (q/k normed per
  * head when qn/kn are given, then roped with this row's cos and signed sin), k and v
  * written into the session's cache [nkv, cap, hd] at pos, then each q head attends to
@@ -168,10 +223,10 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
               void *out, int out_bf16) {
     if (nkv <= 0 || nq % nkv || hd % 2 || pos < first || first < 0 || pos >= cap) return -2;
     int64_t S = pos - first + 1, group = nq / nkv;
-    float *buf = malloc((size_t)((nq + 2 * nkv) * hd + hd + S + nq * hd) * 4);
+    float *buf = malloc((size_t)((nq + 2 * nkv) * hd + hd + group * S + nq * hd) * 4);
     if (!buf) return -1;
     float *qf = buf, *kf = qf + nq * hd, *vf = kf + nkv * hd, *tmp = vf + nkv * hd, *p = tmp + hd;
-    float *o = p + S;
+    float *o = p + group * S;
     load(qf, q, nq * hd, q_bf16);
     load(kf, k, nkv * hd, k_bf16);
     load(vf, v, nkv * hd, v_bf16);
@@ -185,31 +240,21 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
         memcpy(kc + (h * cap + pos) * hd, kf + h * hd, (size_t)hd * 4);
         memcpy(vc + (h * cap + pos) * hd, vf + h * hd, (size_t)hd * 4);
     }
-    for (int64_t h = 0; h < nq; h++) {
-        const float *qh = qf + h * hd;
-        const float *kh = kc + ((h / group) * cap + first) * hd, *vh = vc + ((h / group) * cap + first) * hd;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < S; j++) {
-            const float *kj = kh + j * hd;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s) simdlen(16)
-            for (int64_t d = 0; d < hd; d++) s += qh[d] * kj[d];
-            p[j] = s * scale;
-            m = p[j] > m ? p[j] : m;
+    for (int64_t g = 0; g < nkv; g++) { /* the q heads of kv head g share each key and value read */
+        const float *kg = kc + (g * cap + first) * hd, *vg = vc + (g * cap + first) * hd;
+        for (int64_t i = 0; i < group; i++) {
+            int64_t h = g * group + i;
+            scores(qf + h * hd, kg, S, hd, scale, p + i * S);
         }
-        float z = 0.0f;
-#pragma omp simd reduction(+ : z) simdlen(16)
+        for (int64_t i = 0; i < group; i++) softmax(p + i * S, S);
+        for (int64_t i = 0; i < group; i++) memset(o + (g * group + i) * hd, 0, (size_t)hd * 4);
         for (int64_t j = 0; j < S; j++) {
-            p[j] = vexp(p[j] - m);
-            z += p[j];
-        }
-        float *oh = o + h * hd, inv = 1.0f / z;
-        memset(oh, 0, (size_t)hd * 4);
-        for (int64_t j = 0; j < S; j++) {
-            const float *vj = vh + j * hd;
-            float pj = p[j] * inv;
+            const float *vj = vg + j * hd;
+            for (int64_t i = 0; i < group; i++) {
+                float *oh = o + (g * group + i) * hd, pj = p[i * S + j];
 #pragma omp simd
-            for (int64_t d = 0; d < hd; d++) oh[d] += pj * vj[d];
+                for (int64_t d = 0; d < hd; d++) oh[d] += pj * vj[d];
+            }
         }
     }
     store(out, o, nq * hd, out_bf16);
