@@ -245,12 +245,15 @@ class QuantLinear(nn.Module):
 
     def _kernel(self, x: Tensor) -> Tensor:  # [M, K] in the kernel dtype
         if self.path == "blocks_cpu":
+            # The head rounds its input once, as llama.cpp does: its top logits are recomputed
+            # exactly anyway (``rescore``), and a second rounding was a fifth of its time.
+            two = qblocks.TWO_PASS and not self.rescore
             if len(self._segments) == 1:
                 _, _, typ, b = self._segments[0]
-                return qblocks.matmul(self._lib, b, typ, x, self.out_features)
+                return qblocks.matmul(self._lib, b, typ, x, self.out_features, two=two)
             y = torch.empty(x.shape[0], self.out_features)
             for r0, r1, typ, b in self._segments:
-                qblocks.matmul(self._lib, b, typ, x, r1 - r0, out=y[:, r0:r1])
+                qblocks.matmul(self._lib, b, typ, x, r1 - r0, two=two, out=y[:, r0:r1])
             return y
         if self.path == "int8pack":
             return torch._weight_int8pack_mm(x, self._packed, self._aux)
