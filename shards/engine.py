@@ -282,7 +282,8 @@ class StageEngine:
         return await self._run(lambda: self._forward(session, start, hidden).cpu())
 
     async def forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
-        return await self._run(lambda: self._forward_batch(segments, hidden).cpu())  # [N, H] -> [N, H]
+        # [N, H] -> [N, H]; moved to the engine's device and dtype there, not on the event loop
+        return await self._run(lambda: self._forward_batch(segments, hidden.to(self.device, self.dtype)).cpu())
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         return await self._run(lambda: self._head(hidden).cpu())

@@ -31,8 +31,7 @@ async def run_span(engine: StageEngine, segments: list[Segment], hidden: torch.T
     if delay_ms and engine.span is not None:
         await asyncio.sleep(delay_ms * len(engine.span) / 1000.0)
     began = time.monotonic()
-    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments],
-                                     hidden.to(engine.device, engine.dtype))
+    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments], hidden)
     if forwarded is not None:
         forwarded(hidden.shape[0], time.monotonic() - began)
     return out
