@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import heapq
 import itertools
 import queue
 import threading
@@ -64,36 +65,77 @@ URGENT: contextvars.ContextVar[bool] = contextvars.ContextVar("meshd_engine_urge
 
 class _Worker:
     """The engine's one thread: calls run one at a time, urgent ones first, each kind in the
-    order it came. torch's thread count is per OS thread (OpenMP): it takes ``threads``."""
+    order it came. torch's thread count is per OS thread (OpenMP): it takes ``threads``.
+
+    A decode step hands work to this thread and back several times, on the same core as
+    the event loop, so a hand-off is kept short: a heap under a lock plus a C
+    ``SimpleQueue`` that only counts calls (not ``queue.PriorityQueue``'s Python
+    condition), and an asyncio caller's future settled by one ``call_soon_threadsafe``
+    (not a concurrent Future chained through ``asyncio.wrap_future``)."""
 
     def __init__(self, threads: int):
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._heap: list[tuple[int, int, Callable[[], object], Callable[[bool, object], None], Callable[[], bool]]] = []
+        self._lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # one item per call in the heap
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._loop, args=(threads,), name="meshd-engine", daemon=True)
         self._thread.start()
 
+    def _put(self, urgent: bool, fn: Callable[[], object], settle: Callable[[bool, object], None],
+             cancelled: Callable[[], bool], last: bool = False) -> None:
+        with self._lock:
+            heapq.heappush(self._heap, (2 if last else 0 if urgent else 1, next(self._seq), fn, settle, cancelled))
+        self._ready.put(None)
+
     def submit(self, fn: Callable[[], R], urgent: bool = False) -> Future:
         future: Future = Future()
-        self._queue.put((0 if urgent else 1, next(self._seq), fn, future))
+
+        def settle(ok: bool, value: object) -> None:
+            future.set_result(value) if ok else future.set_exception(value)  # type: ignore[arg-type]
+
+        self._put(urgent, fn, settle, lambda: not future.set_running_or_notify_cancel())
+        return future
+
+    def call(self, fn: Callable[[], R], urgent: bool = False) -> asyncio.Future:
+        """``fn()`` on this thread, as an asyncio future of the calling loop; a call whose
+        caller was cancelled before it started does not run."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def done(ok: bool, value: object) -> None:  # on the loop
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)  # type: ignore[arg-type]
+
+        def wake(ok: bool, value: object) -> None:  # on this thread
+            try:
+                loop.call_soon_threadsafe(done, ok, value)
+            except RuntimeError:  # the loop is closed: nobody waits for it
+                pass
+
+        self._put(urgent, fn, wake, future.cancelled)
         return future
 
     def shutdown(self) -> None:
         """After every call already queued (as ``ThreadPoolExecutor.shutdown(wait=True)``)."""
-        self._queue.put((2, next(self._seq), None, None))
+        self._put(False, lambda: None, lambda ok, value: None, lambda: False, last=True)
         self._thread.join()
 
     def _loop(self, threads: int) -> None:
         torch.set_num_threads(threads)
         while True:
-            _, _, fn, future = self._queue.get()
-            if fn is None:
+            self._ready.get()
+            with self._lock:
+                rank, _, fn, settle, cancelled = heapq.heappop(self._heap)
+            if rank == 2:
                 return
-            if not future.set_running_or_notify_cancel():
+            if cancelled():
                 continue  # its caller was cancelled while it waited
             try:
-                future.set_result(fn())
+                value = fn()
             except BaseException as exc:  # handed to the caller, as an executor would
-                future.set_exception(exc)
+                settle(False, exc)
+            else:
+                settle(True, value)
 
 
 # Torch threads of an engine's worker once ``use_threads`` set them (None: its creator's).
@@ -174,7 +216,7 @@ class StageEngine:
         the worker's and (measured, 2 cores) makes each batched step 2-3x slower."""
         if self.closed:  # a newer plan replaced this engine while a call was on its way here
             raise ModelError("this stage's engine was closed: its plan was replaced")
-        return await asyncio.wrap_future(self._pool.submit(lambda: self._call(fn), URGENT.get()))
+        return await self._pool.call(lambda: self._call(fn), URGENT.get())
 
     def run_sync(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the worker thread and wait (for tests, bench and start-up)."""
@@ -240,7 +282,8 @@ class StageEngine:
         return await self._run(lambda: self._forward(session, start, hidden).cpu())
 
     async def forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
-        return await self._run(lambda: self._forward_batch(segments, hidden).cpu())  # [N, H] -> [N, H]
+        # [N, H] -> [N, H]; moved to the engine's device and dtype there, not on the event loop
+        return await self._run(lambda: self._forward_batch(segments, hidden.to(self.device, self.dtype)).cpu())
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         return await self._run(lambda: self._head(hidden).cpu())
@@ -249,6 +292,29 @@ class StageEngine:
         """The head on ``hidden[rows]``, and ``fn`` of those logits [len(rows), V],
         both on the worker thread (sampling is torch work too)."""
         return await self._run(lambda: fn(self._head(hidden[rows])))
+
+    async def step(self, segments: Sequence[tuple[str, int, int]], tokens: Sequence[int] | None = None,
+                   hidden: Tensor | None = None, rows: list[int] | None = None,
+                   fn: Callable[[Tensor], R] | None = None) -> tuple[Tensor | R, float]:
+        """The supernode's own span in one call on the worker thread: ``tokens`` embedded
+        (else ``hidden`` as it came), through the span, then, where ``rows`` are given, the
+        head on those rows and ``fn`` of their logits (as ``head_then``). Returns that, or
+        the span's output, and the seconds of the span's forward. One hand-off instead of
+        up to three (embed, span, head): each costs the event loop and this thread a wake-up
+        on the same core."""
+        if tokens is None and hidden is None:
+            raise ModelError("a step needs tokens to embed or a hidden state")
+
+        def chain() -> tuple[Tensor | R, float]:
+            x = self._embed(tokens) if tokens is not None else hidden.to(self.device, self.dtype)
+            began = time.monotonic()
+            x = self._forward_batch(segments, x)
+            seconds = time.monotonic() - began
+            if rows is None or fn is None:
+                return x.cpu(), seconds
+            return fn(self._head(x[rows])), seconds
+
+        return await self._run(chain)
 
     def cached_length(self, session: str) -> int:
         caches = self._caches.get(session)

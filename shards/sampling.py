@@ -92,6 +92,11 @@ class Sampler:
         self.generator = torch.Generator(device="cpu")
         self._step = 0
         self.last: TokenLogprobs | None = None  # of the latest draw, when params.logprobs is set
+        p = params
+        # Greedy with nothing to apply first: the argmax of the logits as they are, without
+        # seeding the generator or copying the row (a decode step pays this per session).
+        self._argmax_only = (p.temperature == 0.0 and mask is None and not p.logit_bias and not p.penalized
+                             and p.logprobs is None)
 
     def process(self, logits: Tensor, history: Sequence[int] = (), prompt_len: int = 0) -> Tensor:
         """The logits after bias, penalties and the grammar's mask (a new float32 CPU tensor)."""
@@ -117,6 +122,8 @@ class Sampler:
         ``history`` the prompt and the tokens generated so far (for the penalties)."""
         step = self._step if step is None else step
         self._step = step + 1
+        if self._argmax_only and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return int(torch.argmax(logits.reshape(-1)))  # what process and _draw give here, without the copy
         self.generator.manual_seed((self.seed * 1_000_003 + step) % 2**63)
         x = self.process(logits, history, prompt_len)
         token = self._draw(x)

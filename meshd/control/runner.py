@@ -31,8 +31,7 @@ async def run_span(engine: StageEngine, segments: list[Segment], hidden: torch.T
     if delay_ms and engine.span is not None:
         await asyncio.sleep(delay_ms * len(engine.span) / 1000.0)
     began = time.monotonic()
-    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments],
-                                     hidden.to(engine.device, engine.dtype))
+    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments], hidden)
     if forwarded is not None:
         forwarded(hidden.shape[0], time.monotonic() - began)
     return out
@@ -53,6 +52,27 @@ class LocalRunner:
             if self.engine.closed:  # a new plan replaced our span mid-step: retry under it
                 raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
             raise
+
+    def chains(self, engine: StageEngine) -> bool:
+        """Whether the pipeline may embed into this span, and take the head after it, in
+        the same engine call (``step``): it is ``engine``'s own span, with no simulated delay."""
+        return self.engine is engine and not self.delay_ms
+
+    async def step(self, term: int, segments: list[Segment], tokens: list[int] | None = None,
+                   hidden: torch.Tensor | None = None, rows: list[int] | None = None,
+                   fn: Callable[[torch.Tensor], object] | None = None):
+        """``StageEngine.step`` through this span: embed ``tokens`` (or take ``hidden``), the
+        span, then the head on ``rows`` and ``fn`` of their logits where given."""
+        try:
+            out, seconds = await self.engine.step([(g.session, g.start, g.rows) for g in segments], tokens, hidden,
+                                                  rows, fn)
+        except ModelError:
+            if self.engine.closed:
+                raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
+            raise
+        if self.forwarded is not None:
+            self.forwarded(sum(g.rows for g in segments), seconds)
+        return out
 
     async def drop(self, term: int, session: str) -> None:
         self.engine.drop(session)

@@ -71,7 +71,8 @@ class TunnelResponse:
 
     async def _piece(self) -> bytes:
         try:
-            reply = await asyncio.wait_for(self._queue.get(), self._sock_read)
+            async with asyncio.timeout(self._sock_read):  # no task per piece, as wait_for makes
+                reply = await self._queue.get()
         except TimeoutError:
             raise asyncio.TimeoutError(f"no word from {self._link.peer_id} for {self._sock_read} s") from None
         if isinstance(reply, PeerLost):

@@ -323,7 +323,8 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
         finished = 0
         while finished < req.choices:
             try:
-                item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                async with asyncio.timeout(KEEPALIVE_S):  # no task per event, as wait_for makes
+                    item = await queue.get()
             except TimeoutError:
                 # An SSE comment while a long prefill runs: tells the entry peer
                 # (and any proxy) that this supernode is alive.

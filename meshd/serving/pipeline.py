@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from meshd.control.runner import StageRunner
+from meshd.control.runner import LocalRunner, StageRunner
 from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
 
@@ -131,9 +131,14 @@ class Pipeline:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")
                 work = await self._prefill_long(plan, work)
-                hidden = await self._run(plan, work, engine)
-                if self._head_engine() is not engine:
-                    raise PeerLost("the head changed during the step (the plan moved)")
+                # The sessions whose last token this step runs: the head picks their next one.
+                done, rows_at = [], 0
+                for s, start, rows in work:
+                    rows_at += rows
+                    if start + rows == len(s.tokens):
+                        done.append((s, rows_at - 1))
+                picked = await self._run(plan, work, engine, [row for _, row in done],
+                                         lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
                 attempts += 1
@@ -148,20 +153,11 @@ class Pipeline:
                 for s in sessions:
                     s.term = None
                 continue
-            out: dict[str, int | None] = {}
-            done, rows_at = [], 0
+            out: dict[str, int | None] = {s.id: None for s, _, _ in work}
             for s, start, rows in work:
                 s.cached, s.term = start + rows, plan.term
-                rows_at += rows
-                if s.cached == len(s.tokens):
-                    done.append((s, rows_at - 1))
-                else:
-                    out[s.id] = None
-            if done:
-                picked = await engine.head_then(
-                    hidden, [row for _, row in done], lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
-                for (s, _), token in zip(done, picked):
-                    out[s.id] = token
+            for (s, _), token in zip(done, picked):
+                out[s.id] = token
             return out
 
     async def prefill(self, session) -> None:
@@ -228,16 +224,38 @@ class Pipeline:
         log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
                  stages=len(runners))
 
-    async def _run(self, plan: ActivePlan, work: list, engine) -> torch.Tensor:
-        tokens = [t for s, start, rows in work for t in s.tokens[start:start + rows]]
-        segments = [Segment(s.kv, start, rows) for s, start, rows in work]
-        hidden = await engine.embed(tokens)
+    async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
+                   pick_rows: Callable[[torch.Tensor], list[int]]) -> list[int]:
+        """The rows of ``work`` embedded and through every span in order, then the head on
+        ``rows`` of the last span's output and ``pick_rows`` of their logits (none where
+        ``rows`` is empty). Where the first or last span is the supernode's own, the embed
+        or the head goes in the same engine call as that span (``LocalRunner.step``)."""
+        tokens = [t for s, start, n in work for t in s.tokens[start:start + n]]
+        segments = [Segment(s.kv, start, n) for s, start, n in work]
+        runners = []
         for a in plan.assignments:
-            runner = plan.runners.get(a.node)
-            if runner is None:
+            if (runner := plan.runners.get(a.node)) is None:
                 raise PeerLost(f"no link to {a.node}")
-            hidden = await runner.forward_batch(plan.term, segments, hidden)
-        return hidden
+            runners.append(runner)
+        hidden = None
+        for i, runner in enumerate(runners):
+            local = isinstance(runner, LocalRunner) and runner.chains(engine)
+            embeds, heads = local and i == 0, local and i == len(runners) - 1 and bool(rows)
+            if i == 0 and not embeds:
+                hidden = await engine.embed(tokens)
+            if embeds or heads:
+                out = await runner.step(plan.term, segments, tokens if embeds else None, None if embeds else hidden,
+                                        rows if heads else None, pick_rows if heads else None)
+                if heads:
+                    return out  # the head ran in that same call: a later change of plan cannot undo it
+                hidden = out
+            else:
+                hidden = await runner.forward_batch(plan.term, segments, hidden)
+        if self._head_engine() is not engine:
+            raise PeerLost("the head changed during the step (the plan moved)")
+        if not rows:
+            return []
+        return await engine.head_then(hidden, rows, pick_rows)
 
     async def release(self, session) -> None:
         """Free the session's KV caches on every stage of the plan it ran under."""
