@@ -477,6 +477,39 @@ static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M
 }
 #endif
 
+#ifdef QB_512
+/* Q5_0 rows a and b against one input row (a decode step, M = 1), K / 32 even: each load of
+ * the input's codes, lane sums and scales serves both rows. The same operations in the
+ * same order as dot_tile's, so the same bits. */
+static void dot2_q5_0(const uint8_t *ra, const uint8_t *rb, const xrow *x, int64_t K, float *out) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
+    for (int64_t i = 0; i + 1 < K / 32; i += 2) {
+        __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * i));
+        __m512i ls = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls + 8 * i)), 4);
+        __m512 dx = pair_ps(_mm256_set1_ps(x->d[i]), _mm256_set1_ps(x->d[i + 1]));
+        __m512i xv2 = zero, ls2 = zero;
+        if (x->q2) {
+            xv2 = _mm512_loadu_si512((const void *)(x->q2 + 32 * i));
+            ls2 = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls2 + 8 * i)), 4);
+            dx = pair_ps(_mm256_set1_ps(x->d2[i]), _mm256_set1_ps(x->d2[i + 1]));
+        }
+#define Q5_0_ROW2(R, ACC) do { \
+            __m512i u = pair_si(q5_codes((R) + 22 * i + 2), q5_codes((R) + 22 * (i + 1) + 2)); \
+            __m512 s = pair_ps(_mm256_set1_ps(f16((R) + 22 * i)), _mm256_set1_ps(f16((R) + 22 * (i + 1)))); \
+            __m512i p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), ls); \
+            if (x->q2) \
+                p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv2), ls2)); \
+            ACC = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), _mm512_cvtepi32_ps(p), ACC); } while (0)
+        Q5_0_ROW2(ra, acc_a);
+        Q5_0_ROW2(rb, acc_b);
+#undef Q5_0_ROW2
+    }
+    out[0] = 0.0f + _mm512_reduce_add_ps(acc_a);  /* (dot_tile adds its empty 256-bit part, +0) */
+    out[1] = 0.0f + _mm512_reduce_add_ps(acc_b);
+}
+#endif
+
 /* 3: AVX-512 VNNI, two blocks a register (Q8_0, Q5_0, Q6_K), 2: AVX2 with AVX512-VNNI's dot,
  * 1: AVX2, 0: plain C */
 int qb_simd(void) {
@@ -517,6 +550,13 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
     if (!yt) { free(xq); free(xf); free(xr); free(xl); return -2; }
     (void)threads;
+#ifdef QB_512
+    if (!scalar && type == Q5_0 && M == 1 && (K / 32) % 2 == 0) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N - 1; n += 2) dot2_q5_0(W + n * row_bytes, W + (n + 1) * row_bytes, xr, K, yt + n);
+        if (N % 2) dot(type, W + (N - 1) * row_bytes, xr, M, K, yt + N - 1);
+    } else
+#endif
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
     if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);

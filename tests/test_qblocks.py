@@ -90,6 +90,21 @@ def test_simd_and_plain_c_agree():
 
 @needs_cc
 @pytest.mark.parametrize("name", KERNEL)
+def test_a_rows_outputs_are_the_same_bits_alone_and_in_a_batch(name):
+    """A decode row (M = 1, which some types run two weight rows at a time) gives the bits
+    it gives inside a prefill's batch: what makes batched generation equal plain. An odd
+    row count leaves a last weight row on its own."""
+    _, rec, ref, raw = _tensor(name)
+    n = ref.shape[0] - 1 if ref.shape[0] % 2 == 0 else ref.shape[0]
+    x = torch.randn(6, ref.shape[1], generator=torch.Generator().manual_seed(5))
+    lib = qblocks.library()
+    batch = qblocks.matmul(lib, raw[:n], rec.source, x, n)
+    for m in (0, 5):
+        assert torch.equal(qblocks.matmul(lib, raw[:n], rec.source, x[m:m + 1].clone(), n), batch[m:m + 1])
+
+
+@needs_cc
+@pytest.mark.parametrize("name", KERNEL)
 def test_rows_dequantize_bit_for_bit(name):
     _, rec, ref, raw = _tensor(name)
     ids = torch.tensor([0, 5, 63, 5])
