@@ -332,6 +332,13 @@ static inline __m256i q5_codes(const uint8_t *b) {
     __m256i nib = nibbles32(b + 4);
     return _mm256_mask_add_epi8(nib, (__mmask32)qh, nib, _mm256_set1_epi8(16));
 }
+
+/* Q5_0 blocks i and i + 1 of a row: their codes 0..31 (u) and scales (s), side by side. */
+static inline void q5_0_pair(const uint8_t *row, int64_t i, __m512i *u, __m512 *s) {
+    const uint8_t *b0 = row + 22 * i, *b1 = b0 + 22;
+    *u = pair_si(q5_codes(b0 + 2), q5_codes(b1 + 2));
+    *s = pair_ps(_mm256_set1_ps(f16(b0)), _mm256_set1_ps(f16(b1)));
+}
 #endif
 
 /* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
@@ -383,8 +390,9 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     case Q5_0: {  /* codes 0..31, the 16 taken off in integers */
         int64_t i = 0;
         for (; i + 1 < K / 32; i += 2) {
-            __m512i u = pair_si(q5_codes(row + 22 * i + 2), q5_codes(row + 22 * (i + 1) + 2));
-            __m512 s = pair_ps(Q5_0_S(i), Q5_0_S(i + 1));
+            __m512i u;
+            __m512 s;
+            q5_0_pair(row, i, &u, &s);
             for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], u, &x[r], i, s, 4);
         }
         if (i < K / 32) Q5_0_STEP(i, 0);
@@ -479,8 +487,9 @@ static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M
 
 #ifdef QB_512
 /* Q5_0 rows a and b against one input row (a decode step, M = 1), K / 32 even: each load of
- * the input's codes, lane sums and scales serves both rows. The same operations in the
- * same order as dot_tile's, so the same bits. */
+ * the input's codes, lane sums and scales serves both rows. acc_off2's steps, written out
+ * once for two rows (two calls of it measured 5-8% slower: the compiler reloads the input
+ * for the second); the same operations in the same order, so the same bits. */
 static void dot2_q5_0(const uint8_t *ra, const uint8_t *rb, const xrow *x, int64_t K, float *out) {
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
@@ -495,8 +504,9 @@ static void dot2_q5_0(const uint8_t *ra, const uint8_t *rb, const xrow *x, int64
             dx = pair_ps(_mm256_set1_ps(x->d2[i]), _mm256_set1_ps(x->d2[i + 1]));
         }
 #define Q5_0_ROW2(R, ACC) do { \
-            __m512i u = pair_si(q5_codes((R) + 22 * i + 2), q5_codes((R) + 22 * (i + 1) + 2)); \
-            __m512 s = pair_ps(_mm256_set1_ps(f16((R) + 22 * i)), _mm256_set1_ps(f16((R) + 22 * (i + 1)))); \
+            __m512i u; \
+            __m512 s; \
+            q5_0_pair((R), i, &u, &s); \
             __m512i p = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv), ls); \
             if (x->q2) \
                 p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, u, xv2), ls2)); \
@@ -550,15 +560,20 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
     if (!yt) { free(xq); free(xf); free(xr); free(xl); return -2; }
     (void)threads;
+    int two_rows = 0;  /* a decode step's Q5_0: two weight rows a pass (dot2_q5_0) */
 #ifdef QB_512
-    if (!scalar && type == Q5_0 && M == 1 && (K / 32) % 2 == 0) {
+    two_rows = !scalar && type == Q5_0 && M == 1 && (K / 32) % 2 == 0;
+#endif
+    if (two_rows) {
+#ifdef QB_512
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n = 0; n < N - 1; n += 2) dot2_q5_0(W + n * row_bytes, W + (n + 1) * row_bytes, xr, K, yt + n);
         if (N % 2) dot(type, W + (N - 1) * row_bytes, xr, M, K, yt + N - 1);
-    } else
 #endif
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
+    } else {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
+    }
     if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);
     else
         for (int64_t n = 0; n < N; n++)
