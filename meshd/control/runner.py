@@ -4,6 +4,7 @@ peer's own engine behind the same interface."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -45,13 +46,19 @@ class LocalRunner:
         self.delay_ms = delay_ms
         self.forwarded = forwarded
 
-    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _of_term(self, term: int):
+        """A call on the span of plan ``term``: the engine closed under it is a PeerLost."""
         try:
-            return await run_span(self.engine, segments, hidden, delay_ms=self.delay_ms, forwarded=self.forwarded)
+            yield
         except ModelError:
             if self.engine.closed:  # a new plan replaced our span mid-step: retry under it
                 raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
             raise
+
+    async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        with self._of_term(term):
+            return await run_span(self.engine, segments, hidden, delay_ms=self.delay_ms, forwarded=self.forwarded)
 
     def chains(self, engine: StageEngine) -> bool:
         """Whether the pipeline may embed into this span, and take the head after it, in
@@ -63,13 +70,9 @@ class LocalRunner:
                    fn: Callable[[torch.Tensor], object] | None = None):
         """``StageEngine.step`` through this span: embed ``tokens`` (or take ``hidden``), the
         span, then the head on ``rows`` and ``fn`` of their logits where given."""
-        try:
+        with self._of_term(term):
             out, seconds = await self.engine.step([(g.session, g.start, g.rows) for g in segments], tokens, hidden,
                                                   rows, fn)
-        except ModelError:
-            if self.engine.closed:
-                raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
-            raise
         if self.forwarded is not None:
             self.forwarded(sum(g.rows for g in segments), seconds)
         return out
