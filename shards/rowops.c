@@ -53,8 +53,9 @@ static void store(void *p, const float *restrict src, int64_t n, int bf16) {
     }
 }
 
-static inline const void *row(const void *p, int64_t r, int64_t stride, int bf16) {
-    return (const char *)p + r * stride * (bf16 ? 2 : 4);
+/* Row r of a matrix of float32, or bf16, with rows ``stride`` elements apart. */
+static inline void *row(const void *p, int64_t r, int64_t stride, int bf16) {
+    return (char *)p + r * stride * (bf16 ? 2 : 4);
 }
 
 /* x held to [lo, hi] by bit masks: with ?: or fminf GCC leaves vexp's loops scalar. */
@@ -119,7 +120,7 @@ int ro_add_norm(int64_t n, int64_t h, float *x, int64_t sx, const void *a, int64
         if (w) {
             memcpy(t, xr, (size_t)h * 4);
             rms_norm(t, h, w, eps);
-            store((char *)out + r * so * (out_bf16 ? 2 : 4), t, h, out_bf16);
+            store(row(out, r, so, out_bf16), t, h, out_bf16);
         }
     }
     free(t);
@@ -151,7 +152,7 @@ int ro_act_mul(int64_t n, int64_t inter, const void *g, int64_t sg, int g_bf16, 
         load(gt, row(g, r, sg, g_bf16), inter, g_bf16);
         load(ut, row(u, r, su, u_bf16), inter, u_bf16);
         (gelu ? gelu_mul : silu_mul)(gt, ut, inter);
-        store((char *)out + r * so * (out_bf16 ? 2 : 4), gt, inter, out_bf16);
+        store(row(out, r, so, out_bf16), gt, inter, out_bf16);
     }
     free(gt);
     return 0;
