@@ -161,6 +161,10 @@ class Attention(nn.Module):
         q, k = apply_rope(qk.transpose(0, 1), cos, sin).split((nq, self.n_kv_heads))
         return q, k, v.transpose(0, 1)
 
+    def first_key(self, start: int) -> int:
+        """The first key position that any new row from ``start`` on can see (its window's)."""
+        return 0 if self.window is None else max(0, start + 1 - self.window)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, start: int, cache: KVCache | None) -> Tensor:
         """One segment: q [nh, T, hd], k/v [nkv, T, hd] at positions start.. -> [nh, T, hd]."""
         T = q.shape[1]
@@ -169,9 +173,8 @@ class Attention(nn.Module):
         elif start != 0:
             raise ModelError("a forward from a position other than 0 needs a KV cache")
         S = k.shape[1]
-        first = 0  # the first key any new row can see
-        if self.window is not None:
-            first = max(0, start + 1 - self.window)
+        first = self.first_key(start)
+        if first:
             k, v = k[:, first:], v[:, first:]
         # Batched 4-d inputs with the kv heads shared in place (enable_gqa): SDPA's fused
         # kernels take these; 3-d inputs or repeated kv heads fall to its math path, which

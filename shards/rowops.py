@@ -104,7 +104,6 @@ class _Plan:
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
         self.eps = a.q_norm.eps if a.q_norm is not None else 0.0
         self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
-        self.window = a.window
 
 
 def _plan(b: nn.Module) -> _Plan:
@@ -168,7 +167,7 @@ def _attention(lib: ctypes.CDLL, pl: _Plan, ys: list[Tensor], cos: Tensor, sin: 
     off = 0
     for start, rows, cache in segments:
         if rows == 1 and cache is not None:
-            first = max(0, start + 1 - pl.window) if pl.window is not None else 0
+            first = pl.attention.first_key(start)
             cache.reserve(start, 1)
             (tq, cq), (tk, ck), (tv, cv) = parts
             _check(lib.ro_attend(nq, nkv, hd, _ptr(tq, off * tq.stride(0) + cq), flags[0],
