@@ -520,6 +520,71 @@ static void dot2_q5_0(const uint8_t *ra, const uint8_t *rb, const xrow *x, int64
 }
 #endif
 
+#ifdef QB_512
+/* quantize_row's values, 32 at a time (it was 5 us of a K = 576 decode call's 6: libm's
+ * lrintf, one value at a time). The same operations on each value: the product rounded to
+ * nearest even (lrintf's mode), the error as a product then a difference (no FMA), the int8
+ * codes by truncation as the cast, integer sums in any order; so the same codes and scales. */
+static void quantize_row_512(const float *x, int64_t K, int8_t *q, int8_t *q2, float *d, float *d2, float *sum,
+                             int32_t *ls, int32_t *ls2) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(x0, absmask), _mm512_and_ps(x1, absmask)));
+        float dd = amax / 127.0f, id = dd > 0.0f ? 1.0f / dd : 0.0f;
+        __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q + 32 * b), _mm512_cvtepi32_epi8(v0));
+        _mm_storeu_si128((__m128i *)(q + 32 * b + 16), _mm512_cvtepi32_epi8(v1));
+        d[b] = dd;
+        sum[b] = dd * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+        if (q2) {
+            const __m512 vd = _mm512_set1_ps(dd);
+            float d2b = dd / 128.0f, id2 = dd > 0.0f ? 128.0f / dd : 0.0f;
+            __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_cvtepi32_ps(v0), vd));
+            __m512 e1 = _mm512_sub_ps(x1, _mm512_mul_ps(_mm512_cvtepi32_ps(v1), vd));
+            __m512i w0 = _mm512_cvtps_epi32(_mm512_mul_ps(e0, _mm512_set1_ps(id2)));
+            __m512i w1 = _mm512_cvtps_epi32(_mm512_mul_ps(e1, _mm512_set1_ps(id2)));
+            w0 = _mm512_min_epi32(_mm512_max_epi32(w0, lo), hi);
+            w1 = _mm512_min_epi32(_mm512_max_epi32(w1, lo), hi);
+            _mm_storeu_si128((__m128i *)(q2 + 32 * b), _mm512_cvtepi32_epi8(w0));
+            _mm_storeu_si128((__m128i *)(q2 + 32 * b + 16), _mm512_cvtepi32_epi8(w1));
+            d2[b] = d2b;
+            sum[b] += d2b * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(w0, w1));
+        }
+    }
+    /* the codes summed in fours: a dpbusd of ones against them, 64 codes (16 sums) a step */
+    for (int64_t i = 0; i < K; i += 64) {
+        __mmask64 m = K - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - i)) - 1;
+        __mmask16 m4 = K - i >= 64 ? (__mmask16)0xffff : (__mmask16)(((unsigned)1 << ((K - i) / 4)) - 1);
+        __m512i z = _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(ls + i / 4, m4, _mm512_dpbusd_epi32(z, ones, _mm512_maskz_loadu_epi8(m, q + i)));
+        if (q2)
+            _mm512_mask_storeu_epi32(ls2 + i / 4, m4, _mm512_dpbusd_epi32(z, ones, _mm512_maskz_loadu_epi8(m, q2 + i)));
+    }
+}
+#endif
+
+static void quantize(const float *x, int64_t K, int8_t *q, int8_t *q2, float *d, float *d2, float *sum,
+                     int32_t *ls, int32_t *ls2, int simd) {
+#ifdef QB_512
+    if (simd) { quantize_row_512(x, K, q, q2, d, d2, sum, ls, ls2); return; }
+#endif
+    (void)simd;
+    quantize_row(x, K, q, q2, d, d2, sum, ls, ls2);
+}
+
+/* One row x [K] as the kernels take it, for tests: codes q [2K] (the second pass after the
+ * first), floats f [3 K / 32] (scales, second scales, sums), lane sums ls [K / 2]; simd 0 the
+ * plain C. 0, or -1 for a K not a multiple of 32. */
+int qb_quantize(const float *x, int64_t K, int two, int simd, int8_t *q, float *f, int32_t *ls) {
+    if (K % 32 || K <= 0) return -1;
+    quantize(x, K, q, two ? q + K : NULL, f, f + K / 32, f + 2 * K / 32, ls, ls + K / 4, simd);
+    return 0;
+}
+
 /* 3: AVX-512 VNNI, two blocks a register (Q8_0, Q5_0, Q6_K), 2: AVX2 with AVX512-VNNI's dot,
  * 1: AVX2, 0: plain C */
 int qb_simd(void) {
@@ -550,7 +615,7 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
         int8_t *q = xq + 2 * m * K, *q2 = two ? q + K : NULL;
         float *d = xf + 3 * m * nb;
         int32_t *ls = xl + 2 * m * (K / 4);
-        quantize_row(x + m * K, K, q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4);
+        quantize(x + m * K, K, q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4, !scalar);
         xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4};
     }
     dot_rows_fn dot = dot_rows_scalar;
@@ -566,12 +631,12 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
 #endif
     if (two_rows) {
 #ifdef QB_512
-        #pragma omp parallel for num_threads(threads) schedule(static)
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t n = 0; n < N - 1; n += 2) dot2_q5_0(W + n * row_bytes, W + (n + 1) * row_bytes, xr, K, yt + n);
         if (N % 2) dot(type, W + (N - 1) * row_bytes, xr, M, K, yt + N - 1);
 #endif
     } else {
-        #pragma omp parallel for num_threads(threads) schedule(static)
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
         for (int64_t n = 0; n < N; n++) dot(type, W + n * row_bytes, xr, M, K, yt + n * M);
     }
     if (M == 1) memcpy(y, yt, sizeof(float) * (size_t)N);

@@ -89,6 +89,26 @@ def test_simd_and_plain_c_agree():
 
 
 @needs_cc
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])
+def test_simd_rounds_an_input_row_to_the_plain_c_codes(k):
+    """The SIMD rounding of an input row (what every decode step's matmuls run on) gives
+    the plain C's codes, scales and sums bit for bit, both passes: a K that is not a whole
+    number of 64-code steps, an all-zero block, ties at .5 and large values included."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(k, generator=gen) * torch.logspace(-3, 3, k).roll(k // 3)
+    if k > 64:
+        x[:32] = 0.0
+        x[32:64] = torch.arange(32) - 15.5  # halves: round to even, as lrintf
+    lib = qblocks.library()
+    for two in (False, True):
+        plain, simd = qblocks.quantize(lib, x, two, simd=False), qblocks.quantize(lib, x, two, simd=True)
+        for a, b in zip(plain, simd):
+            assert torch.equal(a, b), (two, (a != b).nonzero()[:5])
+        if two:
+            assert plain[0][k:].abs().max() > 0  # the second pass ran
+
+
+@needs_cc
 @pytest.mark.parametrize("name", KERNEL)
 def test_a_rows_outputs_are_the_same_bits_alone_and_in_a_batch(name):
     """A decode row (M = 1, which some types run two weight rows at a time) gives the bits
