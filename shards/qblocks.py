@@ -117,7 +117,8 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
-    lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = ctypes.c_int
+    lib.qb_quantize.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr]
+    lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = lib.qb_quantize.restype = ctypes.c_int
     log.info("qblocks_loaded", simd=("c", "avx2", "avx2+vnni", "avx512+vnni")[lib.qb_simd()])
     return lib
 
@@ -137,6 +138,43 @@ def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, sca
     if rc:
         raise RuntimeError(f"qb_matmul({source}, K={k}) returned {rc}")
     return y
+
+
+class Bound:
+    """One linear's row segments [(r0, r1, type, blocks)] bound to the kernel once: a call
+    is one output tensor and a C call a segment, into its columns, with the type ids and
+    pointers worked out at load. (``matmul``'s Python, a slice and a tensor a segment, was
+    about 5 us of a decode step's 10-40 us small linears.) ``two``: as ``matmul``'s."""
+
+    def __init__(self, lib: ctypes.CDLL, segments: list[tuple[int, int, str, Tensor]], k: int, two: bool):
+        self.lib, self.k, self.n, self.two = lib, k, segments[-1][1], int(two)
+        self._blocks = [b for *_, b in segments]  # what the pointers point into, kept alive
+        self._calls = [(TYPES[typ][0], b.data_ptr(), r0, r1 - r0) for r0, r1, typ, b in segments]
+
+    def __call__(self, x: Tensor) -> Tensor:  # [M, k] float32 -> [M, n] float32
+        x = x.contiguous()
+        m = x.shape[0]
+        if x.dtype != torch.float32 or x.shape[1] != self.k:
+            raise ModelError(f"the block kernel takes float32 [M, {self.k}], not {x.dtype} {list(x.shape)}")
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        xp, yp, threads = x.data_ptr(), y.data_ptr(), torch.get_num_threads()
+        for tid, bp, r0, rows in self._calls:
+            rc = self.lib.qb_matmul(tid, bp, rows, self.k, xp, m, yp + 4 * r0, self.n, threads, 0, self.two)
+            if rc:
+                raise RuntimeError(f"qb_matmul(type {tid}, K={self.k}) returned {rc}")
+        return y
+
+
+def quantize(lib: ctypes.CDLL, x: Tensor, two: bool, simd: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One row x [K] float32 as the kernel rounds it: codes int8 [2K] (the second pass's
+    after the first's), scales, second scales and block sums float32 [3K/32], codes summed
+    in fours int32 [K/2]; ``simd`` False: the plain C's (what the SIMD's must equal)."""
+    x = x.reshape(-1).to(torch.float32).contiguous()
+    k = x.numel()
+    q, f, ls = torch.zeros(2 * k, dtype=torch.int8), torch.zeros(3 * k // 32), torch.zeros(k // 2, dtype=torch.int32)
+    if lib.qb_quantize(x.data_ptr(), k, int(two), int(simd), q.data_ptr(), f.data_ptr(), ls.data_ptr()):
+        raise ModelError(f"the block kernel rounds rows of a multiple of 32 values, not {k}")
+    return q, f, ls
 
 
 def rows(lib: ctypes.CDLL, blocks: Tensor, source: str, ids: Tensor, k: int) -> Tensor:

@@ -99,6 +99,7 @@ class QuantLinear(nn.Module):
         self.rescore = 0  # the head: recompute its top-k logits exactly (see forward)
         self._lib = None  # blocks_cpu: the loaded C kernel library
         self._segments: list[tuple[int, int, str, Tensor]] = []  # blocks_cpu: (r0, r1, type, blocks)
+        self._bound: qblocks.Bound | None = None  # blocks_cpu: the segments bound to the kernel
 
     @classmethod
     def from_weight(cls, w: Tensor, kind: str, group_size: int | None = DEFAULT_GROUP,
@@ -138,7 +139,7 @@ class QuantLinear(nn.Module):
             log.warning("quant_kernel_fallback", path=self.path, kind=self.kind, group=self.group_size,
                         source=self.record.source, device=str(dev), reason=reason)
             self._packed = self._aux = None
-            self._kscales, self._segments = {}, []
+            self._kscales, self._segments, self._bound = {}, [], None
         else:
             self.path = "dense"
             return self.path
@@ -173,7 +174,7 @@ class QuantLinear(nn.Module):
         t, K = self.stored(), self.in_features
         segs = qblocks.segments(t, self.record.source, self.group_size, _CHUNK_ROWS)
         flat = torch.empty(sum(block_bytes(typ, r1 - r0, K) for r0, r1, typ in segs), dtype=torch.uint8)
-        self._segments, off = [], 0
+        self._segments, self._bound, off = [], None, 0
         for r0, r1, typ in segs:  # views of the one buffer, packed a chunk of rows at a time
             size = block_bytes(typ, r1 - r0, K)
             view = flat[off:off + size].view(r1 - r0, -1)
@@ -248,13 +249,9 @@ class QuantLinear(nn.Module):
             # The head rounds its input once, as llama.cpp does: its top logits are recomputed
             # exactly anyway (``rescore``), and a second rounding was a fifth of its time.
             two = qblocks.TWO_PASS and not self.rescore
-            if len(self._segments) == 1:
-                _, _, typ, b = self._segments[0]
-                return qblocks.matmul(self._lib, b, typ, x, self.out_features, two=two)
-            y = torch.empty(x.shape[0], self.out_features)
-            for r0, r1, typ, b in self._segments:
-                qblocks.matmul(self._lib, b, typ, x, r1 - r0, two=two, out=y[:, r0:r1])
-            return y
+            if self._bound is None or self._bound.two != two:
+                self._bound = qblocks.Bound(self._lib, self._segments, self.in_features, two)
+            return self._bound(x)
         if self.path == "int8pack":
             return torch._weight_int8pack_mm(x, self._packed, self._aux)
         if self.path.startswith("planes"):
@@ -284,7 +281,10 @@ class QuantLinear(nn.Module):
     def raw(self, x: Tensor) -> Tensor:  # [M, K] in ``in_dtype`` -> [M, N], bf16 or float32
         """The matmul with no cast either side: the kernel's own output dtype (float32 with a
         bias). shards/rowops.py writes the input in this dtype and reads the output as is."""
-        y = F.linear(x, self.dense_weight(x.dtype)) if self._packed is None else self._kernel(_aligned(x))
+        if self._packed is None:
+            y = F.linear(x, self.dense_weight(x.dtype))
+        else:  # (the block kernel needs no alignment: it reads its input into its own rows)
+            y = self._kernel(x if self.path == "blocks_cpu" else _aligned(x))
         return y if self.bias is None else y.float() + self.bias
 
     def _rescored(self, x: Tensor, y: Tensor) -> Tensor:
