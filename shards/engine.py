@@ -471,7 +471,10 @@ def measure_parts(model_dir: Path, device: str = "auto", dtype: str | torch.dtyp
     cfg = manifest.config
     block = stage.layers["0"]
     with torch.inference_mode():
-        layer = [_time_block(block, cfg, dev, dt, budget_s, context, b) for b in (1, batch)]
+        # through the forward the stage serves with (shards/rowops.py where it runs): the
+        # torch forward read a SmolLM2 layer 1.3-1.6x slower, which gave a supernode that
+        # also runs the head too many layers
+        layer = [_time_block(block, cfg, dev, dt, budget_s, context, b, stage.rowops) for b in (1, batch)]
         x = torch.randn(batch, cfg.hidden_size, device=dev, dtype=dt)
         head = []
         for n in (1, batch):

@@ -14,6 +14,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Costs, measured_candidates, place,
                                      rebalanced, stage_ms)
@@ -169,3 +170,19 @@ def test_measure_parts_times_a_real_layer_and_the_head(tiny_model_dir):
     assert 0 < t.layer_ms <= t.layer_ms_batch * 1.5 + 0.05  # a batch of 4 costs no less than one row (noise aside)
     assert 0 < t.head_ms and 0 < t.head_ms_batch
     assert all(v < 1000 for v in (t.layer_ms, t.layer_ms_batch, t.head_ms, t.head_ms_batch))
+
+
+def test_measure_parts_times_the_forward_the_stage_serves_with(tiny_model_dir, monkeypatch):
+    """Start-up timing runs a layer as the stage will (the fused C block on a CPU with
+    float32 activations): timing the torch forward instead misjudged a layer against the
+    head, and placement gave the supernode too many layers."""
+    from shards import rowops
+    from shards.engine import measure_parts
+
+    if rowops.library_for(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("no C compiler: the stage runs the torch forward, and so does the timing")
+    calls = []
+    real = rowops.block
+    monkeypatch.setattr(rowops, "block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    measure_parts(tiny_model_dir, "cpu", "float32", batch=2, budget_s=0.02)
+    assert calls, "the layer was timed on the torch forward"
