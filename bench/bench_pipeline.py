@@ -194,7 +194,7 @@ def run_meshd(peers: int, args, workdir: Path) -> dict:
             argv = ["taskset", "-c", str(i), sys.executable, "-m", "meshd.tools.cli", "run", "--name", f"p{i}",
                     "--host", "127.0.0.1", "--port", str(port), "--mesh", mesh, "--secret-file", str(secret),
                     "--state-dir", str(state), "--model", str(args.model), "--device", "cpu", "--dtype", "float32",
-                    "--threads", "1", "--no-mdns", "--no-replicate", "--log-level", "warning",
+                    "--threads", "1", "--no-mdns", "--no-replicate", "--log-level", os.environ.get("BENCH_LOG_LEVEL", "warning"),
                     "--advertise-vram", str((peers - i) << 30)]
             for other in ports[:i]:
                 argv += ["--peer", f"127.0.0.1:{other}"]
