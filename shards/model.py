@@ -13,6 +13,7 @@ key-value heads, hd = head dim. There is no batch dimension: one session per cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 
@@ -290,9 +291,11 @@ class Stage(nn.Module):
         """Run the span over ``hidden`` [T, H] at positions start .. start+T-1."""
         return self.forward_batch(hidden, [(start, hidden.shape[0], caches)])
 
-    def forward_batch(self, hidden: Tensor, batch: list[tuple[int, int, Caches | None]]) -> Tensor:
+    def forward_batch(self, hidden: Tensor, batch: list[tuple[int, int, Caches | None]],
+                      between: Callable[[], object] | None = None) -> Tensor:
         """Run the span over several sessions at once: ``hidden`` [N, H] holds each
-        one's rows in turn, ``batch`` their (start, rows, caches)."""
+        one's rows in turn, ``batch`` their (start, rows, caches). ``between``: called
+        after each layer but the last (the engine runs urgent calls there)."""
         if self.span is None:
             return hidden
         x = hidden.to(device=self.device, dtype=self.dtype)
@@ -309,6 +312,8 @@ class Stage(nn.Module):
                 x = rowops.block(self.rowops, block, x, *ropes[block.sliding], segments)
             else:
                 x = block(x, *ropes[block.sliding], segments)
+            if between is not None and i + 1 < self.span.stop:
+                between()
         return x
 
     def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32

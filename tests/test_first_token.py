@@ -10,6 +10,7 @@ import contextlib
 import threading
 
 import pytest
+import torch
 
 from meshd.control.runner import LocalRunner
 from meshd.serving.pipeline import Pipeline
@@ -87,3 +88,78 @@ async def test_a_new_sessions_first_step_carries_no_decode_rows_and_answers_the_
     assert busy == alone
     first = next(s for s in steps if any(i == sid for i, _ in s))
     assert all(generated == 0 for _, generated in first), f"its first step carried decode rows: {first}"
+
+
+async def _between_layers(engine, long_session: str, urgent_call):
+    """A long forward of ``long_session`` (not urgent) runs; once it is past its first
+    layer, ``urgent_call()`` is made with URGENT set. Returns the two results and the
+    order in which they finished."""
+    started, release = threading.Event(), threading.Event()
+    real = engine._pool.run_urgent
+
+    def held() -> None:  # the first layer boundary waits until the urgent call is queued
+        if not started.is_set():
+            started.set()
+            release.wait(10)
+        real()
+
+    engine._pool.run_urgent = held
+    order: list[str] = []
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
+
+    async def long() -> object:
+        hidden = await engine.embed(prompt)
+        out = await engine.forward_batch([(long_session, 0, len(prompt))], hidden)
+        order.append("long")
+        return out
+
+    async def urgent() -> object:
+        URGENT.set(True)
+        out = await urgent_call()
+        order.append("urgent")
+        return out
+
+    try:
+        first = asyncio.create_task(long())
+        await asyncio.to_thread(started.wait, 10)
+        second = asyncio.create_task(urgent())
+        await asyncio.sleep(0.1)  # queued on the engine by now
+        release.set()
+        a, b = await asyncio.gather(first, second)
+    finally:
+        engine._pool.run_urgent = real
+    return a, b, order
+
+
+async def test_an_urgent_step_runs_between_the_layers_of_a_running_forward(engine):
+    """A new session's first-token step queued while a long forward runs goes in after
+    the layer in progress, not after the whole forward; both answer what they answer alone."""
+    tokens = [5, 17, 42, 9]
+
+    async def step():
+        return await engine.step([("new", 0, len(tokens))], tokens, None, [len(tokens) - 1], lambda lg: lg.clone())
+
+    long_out, (logits, _), order = await _between_layers(engine, "long", step)
+    assert order == ["urgent", "long"], "the urgent step waited for the whole forward"
+    alone_logits, _ = await engine.step([("new-alone", 0, len(tokens))], tokens, None, [len(tokens) - 1],
+                                        lambda lg: lg.clone())
+    assert torch.equal(logits, alone_logits)
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
+    alone = await engine.forward_batch([("long-alone", 0, len(prompt))], await engine.embed(prompt))
+    assert torch.equal(long_out, alone)
+
+
+async def test_an_urgent_call_on_the_running_forwards_session_waits_for_it(engine):
+    """An urgent call that reaches a session the running forward holds does not run inside
+    it (the caches would change under it): it runs after, and both come out right."""
+    async def more():
+        return await engine.forward_batch([("long", 300, 1)], await engine.embed([11]))
+
+    long_out, one_more, order = await _between_layers(engine, "long", more)
+    assert order == ["long", "urgent"]
+    assert engine.cached_length("long") == 301
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
+    alone = await engine.forward_batch([("ref", 0, 300)], await engine.embed(prompt))
+    assert torch.equal(long_out, alone)
+    ref_next = await engine.forward_batch([("ref", 300, 1)], await engine.embed([11]))
+    assert torch.equal(one_more, ref_next)
