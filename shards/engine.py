@@ -236,6 +236,7 @@ class StageEngine:
         self._pool = worker or _Worker(engine_threads())
         self._closed = False
         self._forwarding: frozenset[str] = frozenset()  # (worker's) sessions of the forward running
+        self.epoch = 0  # drop_all calls so far
 
     @classmethod
     def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
@@ -386,7 +387,9 @@ class StageEngine:
         self._caches.pop(session, None)
 
     def drop_all(self) -> None:
-        """Forget every session's caches (atomic, as ``drop``)."""
+        """Forget every session's caches (atomic, as ``drop``): an engine kept for a new
+        plan. ``epoch`` counts these, so that a call queued before one can tell."""
+        self.epoch += 1
         self._caches.clear()
 
     @property

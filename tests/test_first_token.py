@@ -163,3 +163,28 @@ async def test_an_urgent_call_on_the_running_forwards_session_waits_for_it(engin
     assert torch.equal(long_out, alone)
     ref_next = await engine.forward_batch([("ref", 300, 1)], await engine.embed([11]))
     assert torch.equal(one_more, ref_next)
+
+
+async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_not_failed(engine):
+    """A re-plan that keeps the supernode's span clears its caches (``drop_all``); a decode
+    step of the old term still queued then finds its session's cache gone. That is a
+    PeerLost (the pipeline replays under the new plan), not a ModelError (a 500)."""
+    from meshd.control.runner import LocalRunner
+    from meshd.errors import PeerLost
+    from protocol.messages import Segment
+    from shards.errors import ModelError
+
+    runner = LocalRunner(engine)
+    await engine.step([("s", 0, 3)], [5, 6, 7])
+    gate = threading.Event()
+    busy = asyncio.create_task(engine._run(gate.wait))  # the call in progress
+    await asyncio.sleep(0.05)
+    queued = asyncio.create_task(runner.step(1, [Segment("s", 3, 1)], [8]))
+    await asyncio.sleep(0.05)
+    engine.drop_all()  # the new plan keeps this engine
+    gate.set()
+    await busy
+    with pytest.raises(PeerLost):
+        await queued
+    with pytest.raises(ModelError):  # the same call with no re-plan under it is the model's error
+        await runner.step(1, [Segment("s", 3, 1)], [8])

@@ -48,11 +48,16 @@ class LocalRunner:
 
     @contextlib.contextmanager
     def _of_term(self, term: int):
-        """A call on the span of plan ``term``: the engine closed under it is a PeerLost."""
+        """A call on the span of plan ``term``: the engine closed under it, or kept for a
+        newer plan (which clears its caches: ``drop_all``) while the call waited or ran, is
+        a PeerLost, so the step replays under the new plan. (Seen in the soak: a decode
+        step queued behind another when a re-plan kept every span found its session's cache
+        gone, and its request failed with a 500.)"""
+        epoch = self.engine.epoch
         try:
             yield
         except ModelError:
-            if self.engine.closed:  # a new plan replaced our span mid-step: retry under it
+            if self.engine.closed or self.engine.epoch != epoch:  # a new plan: retry under it
                 raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
             raise
 
