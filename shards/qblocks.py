@@ -126,28 +126,22 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
 # -- running -----------------------------------------------------------------------------------
 
 def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, scalar: bool = False,
-           two: bool = TWO_PASS, out: Tensor | None = None) -> Tensor:
-    """x [M, K] (float32, contiguous) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row]
-    (or ``out``, a [M, n] slice of a float32 matrix with contiguous rows, written in place).
-    ``two``: the input rounded to int8 twice (value, then its rounding error): see qblocks.c."""
-    m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32) if out is None else out
-    assert y.dtype == torch.float32 and y.shape == (m, n) and (m == 1 or y.stride(1) == 1)
-    rc = lib.qb_matmul(TYPES[source][0], blocks.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(),
-                       y.stride(0), torch.get_num_threads(), int(scalar), int(two))
-    if rc:
-        raise RuntimeError(f"qb_matmul({source}, K={k}) returned {rc}")
-    return y
+           two: bool = TWO_PASS) -> Tensor:
+    """x [M, K] (float32) @ W^T -> [M, n] float32, W = ``blocks`` [n, bytes a row] of one
+    type, bound for this one call (``Bound``). ``two``: the input rounded to int8 twice
+    (value, then its rounding error): see qblocks.c. ``scalar``: the plain C throughout."""
+    return Bound(lib, [(0, n, source, blocks)], x.shape[1], two, scalar)(x)
 
 
 class Bound:
     """One linear's row segments [(r0, r1, type, blocks)] bound to the kernel once: a call
     is one output tensor and a C call a segment, into its columns, with the type ids and
     pointers worked out at load. (``matmul``'s Python, a slice and a tensor a segment, was
-    about 5 us of a decode step's 10-40 us small linears.) ``two``: as ``matmul``'s."""
+    about 5 us of a decode step's 10-40 us small linears.) ``two``, ``scalar``: as ``matmul``'s."""
 
-    def __init__(self, lib: ctypes.CDLL, segments: list[tuple[int, int, str, Tensor]], k: int, two: bool):
-        self.lib, self.k, self.n, self.two = lib, k, segments[-1][1], int(two)
+    def __init__(self, lib: ctypes.CDLL, segments: list[tuple[int, int, str, Tensor]], k: int, two: bool,
+                 scalar: bool = False):
+        self.lib, self.k, self.n, self.two, self.scalar = lib, k, segments[-1][1], int(two), int(scalar)
         self._blocks = [b for *_, b in segments]  # what the pointers point into, kept alive
         self._calls = [(TYPES[typ][0], b.data_ptr(), r0, r1 - r0) for r0, r1, typ, b in segments]
 
@@ -159,7 +153,7 @@ class Bound:
         y = torch.empty(m, self.n, dtype=torch.float32)
         xp, yp, threads = x.data_ptr(), y.data_ptr(), torch.get_num_threads()
         for tid, bp, r0, rows in self._calls:
-            rc = self.lib.qb_matmul(tid, bp, rows, self.k, xp, m, yp + 4 * r0, self.n, threads, 0, self.two)
+            rc = self.lib.qb_matmul(tid, bp, rows, self.k, xp, m, yp + 4 * r0, self.n, threads, self.scalar, self.two)
             if rc:
                 raise RuntimeError(f"qb_matmul(type {tid}, K={self.k}) returned {rc}")
         return y
