@@ -146,7 +146,7 @@ class _Worker:
     def _execute(self, item: tuple) -> bool:
         """Run one popped call and settle its caller; False where it met a busy session
         (``_Busy``) and went back on the queue instead."""
-        rank, seq, fn, settle, cancelled = item
+        _, _, fn, settle, cancelled = item
         if cancelled():
             return True  # its caller was cancelled while it waited
         try:
@@ -291,7 +291,8 @@ class StageEngine:
     def _forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
         """Every session's rows in one forward: ``segments`` are (session, start, rows)
         in the row order of ``hidden`` [N, H]."""
-        if self._forwarding & {session for session, _, _ in segments}:
+        sessions = {session for session, _, _ in segments}
+        if self._forwarding & sessions:
             raise _Busy  # (an urgent call run between the layers of a forward of its sessions)
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
             raise ModelError(f"hidden has shape {tuple(hidden.shape)}, want [T, {self.config.hidden_size}]")
@@ -299,7 +300,7 @@ class StageEngine:
             raise ModelError(f"hidden has dtype {hidden.dtype}, want a floating-point one")
         if sum(rows for _, _, rows in segments) != hidden.shape[0]:
             raise ModelError(f"segments name {sum(r for _, _, r in segments)} rows, hidden has {hidden.shape[0]}")
-        if len({session for session, _, _ in segments}) != len(segments):
+        if len(sessions) != len(segments):
             raise ModelError("a session appears twice in one batch")
         if self.span is None:
             return hidden
@@ -324,7 +325,7 @@ class StageEngine:
         work = [(start, rows, caches) for _, start, rows, caches in batch]
         if self._forwarding:  # run between the layers of another forward: not again inside this one
             return self.stage.forward_batch(hidden, work)
-        self._forwarding = frozenset(session for session, _, _, _ in batch)
+        self._forwarding = frozenset(sessions)
         try:
             return self.stage.forward_batch(hidden, work, between=self._pool.run_urgent)
         finally:

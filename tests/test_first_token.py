@@ -24,6 +24,8 @@ from shards.tokenizer import MeshTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
+LONG_PROMPT = [(7 * i + 3) % 200 + 10 for i in range(300)]  # a forward long enough to step into
+
 
 @pytest.fixture
 async def engine(tiny_model_dir):
@@ -105,11 +107,10 @@ async def _between_layers(engine, long_session: str, urgent_call):
 
     engine._pool.run_urgent = held
     order: list[str] = []
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
 
     async def long() -> object:
-        hidden = await engine.embed(prompt)
-        out = await engine.forward_batch([(long_session, 0, len(prompt))], hidden)
+        hidden = await engine.embed(LONG_PROMPT)
+        out = await engine.forward_batch([(long_session, 0, len(LONG_PROMPT))], hidden)
         order.append("long")
         return out
 
@@ -144,8 +145,7 @@ async def test_an_urgent_step_runs_between_the_layers_of_a_running_forward(engin
     alone_logits, _ = await engine.step([("new-alone", 0, len(tokens))], tokens, None, [len(tokens) - 1],
                                         lambda lg: lg.clone())
     assert torch.equal(logits, alone_logits)
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
-    alone = await engine.forward_batch([("long-alone", 0, len(prompt))], await engine.embed(prompt))
+    alone = await engine.forward_batch([("long-alone", 0, len(LONG_PROMPT))], await engine.embed(LONG_PROMPT))
     assert torch.equal(long_out, alone)
 
 
@@ -153,15 +153,14 @@ async def test_an_urgent_call_on_the_running_forwards_session_waits_for_it(engin
     """An urgent call that reaches a session the running forward holds does not run inside
     it (the caches would change under it): it runs after, and both come out right."""
     async def more():
-        return await engine.forward_batch([("long", 300, 1)], await engine.embed([11]))
+        return await engine.forward_batch([("long", len(LONG_PROMPT), 1)], await engine.embed([11]))
 
     long_out, one_more, order = await _between_layers(engine, "long", more)
     assert order == ["long", "urgent"]
-    assert engine.cached_length("long") == 301
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(300)]
-    alone = await engine.forward_batch([("ref", 0, 300)], await engine.embed(prompt))
+    assert engine.cached_length("long") == len(LONG_PROMPT) + 1
+    alone = await engine.forward_batch([("ref", 0, len(LONG_PROMPT))], await engine.embed(LONG_PROMPT))
     assert torch.equal(long_out, alone)
-    ref_next = await engine.forward_batch([("ref", 300, 1)], await engine.embed([11]))
+    ref_next = await engine.forward_batch([("ref", len(LONG_PROMPT), 1)], await engine.embed([11]))
     assert torch.equal(one_more, ref_next)
 
 
@@ -169,7 +168,6 @@ async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_n
     """A re-plan that keeps the supernode's span clears its caches (``drop_all``); a decode
     step of the old term still queued then finds its session's cache gone. That is a
     PeerLost (the pipeline replays under the new plan), not a ModelError (a 500)."""
-    from meshd.control.runner import LocalRunner
     from meshd.errors import PeerLost
     from protocol.messages import Segment
     from shards.errors import ModelError
