@@ -346,7 +346,21 @@ class StageEngine:
 
     async def forward_batch(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> Tensor:
         # [N, H] -> [N, H]; moved to the engine's device and dtype there, not on the event loop
-        return await self._run(lambda: self._forward_batch(segments, hidden.to(self.device, self.dtype)).cpu())
+        return (await self.forward_timed(segments, hidden))[0]
+
+    async def forward_timed(self, segments: Sequence[tuple[str, int, int]], hidden: Tensor) -> tuple[Tensor, float]:
+        """``forward_batch``, and the seconds of its own forward: not the wait in the queue,
+        nor urgent calls run between its layers (as ``step`` counts them)."""
+        def timed() -> tuple[Tensor, float]:
+            x, seconds = self._timed(segments, hidden.to(self.device, self.dtype))
+            return x.cpu(), seconds
+
+        return await self._run(timed)
+
+    def _timed(self, segments: Sequence[tuple[str, int, int]], x: Tensor) -> tuple[Tensor, float]:
+        began, others = time.monotonic(), self._pool.urgent_seconds
+        x = self._forward_batch(segments, x)
+        return x, time.monotonic() - began - (self._pool.urgent_seconds - others)
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         return await self._run(lambda: self._head(hidden).cpu())
@@ -370,9 +384,7 @@ class StageEngine:
 
         def chain() -> tuple[Tensor | R, float]:
             x = self._embed(tokens) if tokens is not None else hidden.to(self.device, self.dtype)
-            began, others = time.monotonic(), self._pool.urgent_seconds
-            x = self._forward_batch(segments, x)
-            seconds = time.monotonic() - began - (self._pool.urgent_seconds - others)  # its own forward's
+            x, seconds = self._timed(segments, x)
             if rows is None or fn is None:
                 return x.cpu(), seconds
             return fn(self._head(x[rows])), seconds

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -92,10 +93,11 @@ async def test_a_new_sessions_first_step_carries_no_decode_rows_and_answers_the_
     assert all(generated == 0 for _, generated in first), f"its first step carried decode rows: {first}"
 
 
-async def _between_layers(engine, long_session: str, urgent_call):
-    """A long forward of ``long_session`` (not urgent) runs; once it is past its first
-    layer, ``urgent_call()`` is made with URGENT set. Returns the two results and the
-    order in which they finished."""
+async def _between_layers(engine, long_session: str, urgent_call, forward=None):
+    """A long forward of ``long_session`` (not urgent; ``forward``, default the engine's
+    ``forward_batch``) runs; once it is past its first layer, ``urgent_call()`` is made
+    with URGENT set. Returns the two results and the order in which they finished."""
+    forward = forward or engine.forward_batch
     started, release = threading.Event(), threading.Event()
     real = engine._pool.run_urgent
 
@@ -110,7 +112,7 @@ async def _between_layers(engine, long_session: str, urgent_call):
 
     async def long() -> object:
         hidden = await engine.embed(LONG_PROMPT)
-        out = await engine.forward_batch([(long_session, 0, len(LONG_PROMPT))], hidden)
+        out = await forward([(long_session, 0, len(LONG_PROMPT))], hidden)
         order.append("long")
         return out
 
@@ -162,6 +164,22 @@ async def test_an_urgent_call_on_the_running_forwards_session_waits_for_it(engin
     assert torch.equal(long_out, alone)
     ref_next = await engine.forward_batch([("ref", len(LONG_PROMPT), 1)], await engine.embed([11]))
     assert torch.equal(one_more, ref_next)
+
+
+async def test_a_forwards_own_seconds_leave_out_urgent_calls_run_between_its_layers(engine):
+    """A follower's forward seconds (meshd_stage_forward_seconds, and what placement reads
+    of a stage) are its own forward's, as a step's are: an urgent call run between its
+    layers is not counted in them."""
+    async def slow_urgent():
+        return await engine._run(lambda: time.sleep(0.4))
+
+    began = time.monotonic()
+    (out, seconds), _, order = await _between_layers(engine, "long", slow_urgent, engine.forward_timed)
+    wall = time.monotonic() - began
+    assert order == ["urgent", "long"]
+    assert wall > 0.4 and seconds < wall - 0.35, f"{seconds:.3f} s of {wall:.3f} s counted the urgent call"
+    alone = await engine.forward_batch([("ref", 0, len(LONG_PROMPT))], await engine.embed(LONG_PROMPT))
+    assert torch.equal(out, alone)
 
 
 async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_not_failed(engine):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -31,10 +30,9 @@ async def run_span(engine: StageEngine, segments: list[Segment], hidden: torch.T
     """``hidden`` through this peer's span; ``delay_ms`` per layer simulates a slow box."""
     if delay_ms and engine.span is not None:
         await asyncio.sleep(delay_ms * len(engine.span) / 1000.0)
-    began = time.monotonic()
-    out = await engine.forward_batch([(g.session, g.start, g.rows) for g in segments], hidden)
-    if forwarded is not None:
-        forwarded(hidden.shape[0], time.monotonic() - began)
+    out, seconds = await engine.forward_timed([(g.session, g.start, g.rows) for g in segments], hidden)
+    if forwarded is not None:  # the forward's own time: not the queue, nor urgent calls run inside it
+        forwarded(hidden.shape[0], seconds)
     return out
 
 
