@@ -1,8 +1,11 @@
 """Does the pipeline pay? meshd on 1 and 2 peers against llama.cpp, each pinned to its own core.
 
-Every configuration runs in this one invocation, one after another, on loopback, with
-static peers and one torch thread per daemon pinned with ``taskset`` to a core of its
-own, so two daemons behave like two boxes:
+Every configuration runs in this one invocation, on loopback, with static peers and one
+torch thread per daemon pinned with ``taskset`` to a core of its own, so two daemons behave
+like two boxes. All are started first and then measured in turns, a round of each at a time
+(the order reversed every other round), one configuration busy while the others idle: this
+shared box's speed drifts by 20-30% over minutes, and measured one after another the
+configurations met different moments of it, which moved the ratios between them:
 
 - ``meshd-1``: one daemon on core 0
 - ``meshd-2``: two daemons, the supernode on core 0, the second peer on core 1
@@ -180,13 +183,25 @@ def stop(procs: list[subprocess.Popen], logs: list) -> None:
         log.close()
 
 
-def run_meshd(peers: int, args, workdir: Path) -> dict:
+class Running:
+    """A configuration up and serving: its URL, what to say of its plan, and its processes."""
+
+    def __init__(self, name: str, url: str, procs: list[subprocess.Popen], logs: list, plan: str = ""):
+        self.name, self.url, self.procs, self.logs, self.plan = name, url, procs, logs, plan
+        self.rows: list[dict] = []
+
+    def stop(self) -> None:
+        stop(list(reversed(self.procs)), self.logs)
+
+
+def start_meshd(peers: int, args, workdir: Path) -> Running:
     secret = workdir / f"secret-{peers}"
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     ports = [free_port() for _ in range(peers)]
     procs, logs = [], []
     mesh = f"bench-{secrets.token_hex(3)}"
+    name = f"meshd-{peers}"
     try:
         for i, port in enumerate(ports):
             state = workdir / f"meshd{peers}-{i}"
@@ -204,12 +219,11 @@ def run_meshd(peers: int, args, workdir: Path) -> dict:
                                           env=os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
         url = f"http://127.0.0.1:{ports[0]}"
         view = wait_http(url + "/status", lambda v: v["serving"] and sum(
-            1 for p in v["peers"] if p["state"] == "ready") == peers, 300, procs, f"meshd-{peers}")
+            1 for p in v["peers"] if p["state"] == "ready") == peers, 300, procs, name)
         try:  # placement may keep every layer on one peer (a probe that read it slow): report it, go on
-            view = wait_http(url + "/status", lambda v: v["serving"] and len(v["plan"]) == peers, 30, procs,
-                             f"meshd-{peers}")
+            view = wait_http(url + "/status", lambda v: v["serving"] and len(v["plan"]) == peers, 30, procs, name)
         except RuntimeError:
-            view = wait_http(url + "/status", lambda v: v["serving"], 60, procs, f"meshd-{peers}")
+            view = wait_http(url + "/status", lambda v: v["serving"], 60, procs, name)
             print(f"   placement gave {len(view['plan'])} stage(s) to {peers} peers", flush=True)
         plan = " ".join(f"{a['node'][:6]}[{a['start']}:{a['stop']})" for a in view["plan"])
         # What placement weighed the split on: each peer's timed layer (and head) at the decode batch.
@@ -217,18 +231,16 @@ def run_meshd(peers: int, args, workdir: Path) -> dict:
         plan += " timed " + " ".join(
             f"{n[:6]}=layer {t['layer_ms_batch']:.2f}/head {t['head_ms_batch']:.2f} ms" if t else f"{n[:6]}=probe"
             for n, t in timed.items())
-        rows = [asyncio.run(measure(url, args, r)) for r in range(args.rounds)]
-        status = wait_http(url + "/status", lambda v: True, 10, procs, "status")
-        return {"name": f"meshd-{peers}", "plan": plan, **median_rows(rows),
-                "prefix_cache": status["node"]["scheduler"].get("prefix_cache")}
-    finally:
+        return Running(name, url, procs, logs, plan)
+    except BaseException:
         stop(procs, logs)
+        raise
 
 
 # -- llama.cpp ----------------------------------------------------------------------------
 
 
-def run_llama(rpc: bool, args, workdir: Path) -> dict | None:
+def start_llama(rpc: bool, args, workdir: Path) -> Running | None:
     server = LLAMA_BIN / "llama-server"
     if not server.exists() or args.gguf is None:
         print(f"   llama.cpp: no {server} or GGUF; skipped", flush=True)
@@ -255,14 +267,14 @@ def run_llama(rpc: bool, args, workdir: Path) -> dict | None:
         procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env))
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", lambda v: v.get("status") == "ok", 120, procs, name)
-        rows = [asyncio.run(measure(url, args, r)) for r in range(args.rounds)]
-        return {"name": name, "plan": f"{args.rpc_layers} layers on the RPC server" if rpc else "all local",
-                **median_rows(rows)}
+        return Running(name, url, procs, logs, f"{args.rpc_layers} layers on the RPC server" if rpc else "all local")
     except RuntimeError as exc:
         print(f"   {name}: {exc}", flush=True)
-        return None
-    finally:
         stop(list(reversed(procs)), logs)
+        return None
+    except BaseException:
+        stop(list(reversed(procs)), logs)
+        raise
 
 
 # -- the report -------------------------------------------------------------------------
@@ -321,20 +333,31 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-pipeline-"))
     print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start, each process "
           f"pinned to its own core with taskset, 1 thread each; logs in {workdir}", flush=True)
-    results: dict[str, dict] = {}
-    for name in args.configs.split(","):
-        print(f"== {name}", flush=True)
-        t0 = time.monotonic()
-        if name.startswith("meshd-"):
-            r = run_meshd(int(name.split("-")[1]), args, workdir)
-        else:
-            r = run_llama(name == "llama-rpc-2", args, workdir)
-        if r is not None:
-            results[name] = r
-            print(f"   plan {r['plan']}; " + ", ".join(f"{k} {r[k]:.3f}" for k in
-                                                      ("agg16", "decode1", "ttft_long", "chat1", "chat2",
-                                                       "ttft_idle", "ttft_busy"))
-                  + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+    running: list[Running] = []
+    try:
+        for name in args.configs.split(","):
+            print(f"== starting {name}", flush=True)
+            r = start_meshd(int(name.split("-")[1]), args, workdir) if name.startswith("meshd-") else \
+                start_llama(name == "llama-rpc-2", args, workdir)
+            if r is not None:
+                running.append(r)
+                print(f"   plan {r.plan}", flush=True)
+        for round_no in range(args.rounds):
+            for r in running if round_no % 2 == 0 else running[::-1]:
+                t0 = time.monotonic()
+                row = asyncio.run(measure(r.url, args, round_no))
+                r.rows.append(row)
+                print(f"   round {round_no} {r.name}: " + ", ".join(f"{k} {row[k]:.3f}" for k in row)
+                      + f" ({time.monotonic() - t0:.0f} s)", flush=True)
+        results: dict[str, dict] = {}
+        for r in running:
+            results[r.name] = {"name": r.name, "plan": r.plan, **median_rows(r.rows), "rounds": r.rows}
+            if r.name.startswith("meshd-"):
+                status = wait_http(r.url + "/status", lambda v: True, 10, r.procs, "status")
+                results[r.name]["prefix_cache"] = status["node"]["scheduler"].get("prefix_cache")
+    finally:
+        for r in running:
+            r.stop()
     print(f"   load average {os.getloadavg()[0]:.2f} at the end")
     report(results, args)
     args.out.mkdir(parents=True, exist_ok=True)
