@@ -360,6 +360,7 @@ class StageEngine:
     def _timed(self, segments: Sequence[tuple[str, int, int]], x: Tensor) -> tuple[Tensor, float]:
         began, others = time.monotonic(), self._pool.urgent_seconds
         x = self._forward_batch(segments, x)
+        _sync(self.device)  # a GPU's kernels run after their launch: the time is theirs, not the launch's
         return x, time.monotonic() - began - (self._pool.urgent_seconds - others)
 
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
