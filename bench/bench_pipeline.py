@@ -194,17 +194,20 @@ class Running:
         stop(list(reversed(self.procs)), self.logs)
 
 
-def start_meshd(peers: int, args, workdir: Path) -> Running:
-    secret = workdir / f"secret-{peers}"
+def start_meshd(peers: int, args, workdir: Path, name: str | None = None,
+                budgets: list[int] | None = None) -> Running:
+    """``peers`` daemons on cores 0, 1, ...; ``budgets``: each one's --mem-budget (which caps
+    the layers placement may give it: bench_splits.py forces a split with them)."""
+    name = name or f"meshd-{peers}"
+    secret = workdir / f"secret-{name}"
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     ports = [free_port() for _ in range(peers)]
     procs, logs = [], []
     mesh = f"bench-{secrets.token_hex(3)}"
-    name = f"meshd-{peers}"
     try:
         for i, port in enumerate(ports):
-            state = workdir / f"meshd{peers}-{i}"
+            state = workdir / f"{name}-{i}"
             state.mkdir()
             argv = ["taskset", "-c", str(i), sys.executable, "-m", "meshd.tools.cli", "run", "--name", f"p{i}",
                     "--host", "127.0.0.1", "--port", str(port), "--mesh", mesh, "--secret-file", str(secret),
@@ -213,7 +216,9 @@ def start_meshd(peers: int, args, workdir: Path) -> Running:
                     "--advertise-vram", str((peers - i) << 30)]
             for other in ports[:i]:
                 argv += ["--peer", f"127.0.0.1:{other}"]
-            log = open(workdir / f"meshd{peers}-{i}.log", "wb")
+            if budgets:
+                argv += ["--mem-budget", str(budgets[i])]
+            log = open(workdir / f"{name}-{i}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env=os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))

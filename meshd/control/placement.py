@@ -85,10 +85,11 @@ def measured_candidates(peers: Mapping[NodeId, Capabilities], model: str,
 # supernode's engine thread 4.9 s, the other's 4.1 s, one peer alone 8.0 s, so that split
 # caps the aggregate at ~1.6x; fitting those, the balance point is about 12/18. Three quarters of the
 # head gives 12-13/17-18: both targets in reach, neither with much to spare.
-# Splits forced side by side (2026-12-03; meshes up at once, measured in turns; 2 peers / 1):
-# aggregate / long-prompt TTFT 10/20 1.49x / 0.74x, 11/19 1.43x / 0.75x, 12/18 1.48x / 0.70x,
-# 13/17 1.31x / 0.63x, 14/16 1.29x / 0.66x. A full head (11/19) buys ~9% of aggregate for ~20% of
-# a long prompt's TTFT: kept at three quarters.
+# Splits forced side by side (bench/bench_splits.py, 2026-12-03, all in one run, medians of 3;
+# 2 peers / 1: aggregate, decode, long-prompt TTFT): 10/20 1.22x 0.74x 0.84x, 11/19 1.26x 0.77x
+# 0.73x, 12/18 1.26x 0.82x 0.69x, 13/17 1.12x 0.74x 0.70x, 14/16 1.11x 0.78x 0.65x (earlier runs of
+# three splits at a time agree: 12/18 1.48x / 0.70x, 14/16 1.29x / 0.66x). 12/18 is the best
+# compromise, which is where three quarters of the head aims: kept.
 HEAD_SHARE = 0.75
 
 
