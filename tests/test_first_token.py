@@ -167,9 +167,8 @@ async def test_an_urgent_call_on_the_running_forwards_session_waits_for_it(engin
 
 
 async def test_a_forwards_own_seconds_leave_out_urgent_calls_run_between_its_layers(engine):
-    """A follower's forward seconds (meshd_stage_forward_seconds, and what placement reads
-    of a stage) are its own forward's, as a step's are: an urgent call run between its
-    layers is not counted in them."""
+    """A follower's forward seconds (meshd_stage_forward_seconds) are its own forward's, as
+    a step's are: an urgent call run between its layers is not counted in them."""
     async def slow_urgent():
         return await engine._run(lambda: time.sleep(0.4))
 
