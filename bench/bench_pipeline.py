@@ -104,24 +104,39 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict, chat: bool =
             "t0": t0}
 
 
-async def measure(url: str, args, round_no: int) -> dict:
-    timeout = aiohttp.ClientTimeout(total=900)
+def client() -> aiohttp.ClientSession:
     # A fresh connection per request: llama-server may close a kept-alive one under the client.
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as http:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                 connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def agg16(http: aiohttp.ClientSession, url: str, args, tag: object) -> float:
+    """Aggregate tok/s of ``args.streams`` greedy streams of ``args.tokens`` at once."""
+    t0 = time.monotonic()
+    rs = await asyncio.gather(*(stream(http, url, {"prompt": f"({tag}.{i}) " + PROMPTS[i % len(PROMPTS)],
+                                                    "max_tokens": args.tokens})
+                                for i in range(args.streams)))
+    return sum(r["n"] for r in rs) / (max(r["last"] for r in rs) - t0)
+
+
+async def decode1(http: aiohttp.ClientSession, url: str, args, tag: object) -> float:
+    """Batch-1 decode tok/s, from one stream's first token to its last."""
+    r = await stream(http, url, {"prompt": f"({tag}) " + PROMPTS[0], "max_tokens": args.tokens})
+    return (r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan")
+
+
+async def ttft_long(http: aiohttp.ClientSession, url: str, args, tag: object) -> float:
+    """Time to first token of a new ~``args.long``-token prompt."""
+    r = await stream(http, url, {"prompt": long_text(args.long, f"L{tag}-{secrets.token_hex(3)}"), "max_tokens": 1})
+    return r["ttft"]
+
+
+async def measure(url: str, args, round_no: int) -> dict:
+    async with client() as http:
         await stream(http, url, {"prompt": "Warm up.", "max_tokens": 4})
-        # agg16
-        t0 = time.monotonic()
-        rs = await asyncio.gather(*(stream(http, url, {"prompt": f"({round_no}.{i}) " + PROMPTS[i % len(PROMPTS)],
-                                                        "max_tokens": args.tokens})
-                                    for i in range(args.streams)))
-        agg = sum(r["n"] for r in rs) / (max(r["last"] for r in rs) - t0)
-        # decode1
-        r = await stream(http, url, {"prompt": f"({round_no}) " + PROMPTS[0], "max_tokens": args.tokens})
-        decode1 = (r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan")
-        # ttft_long
-        r = await stream(http, url, {"prompt": long_text(args.long, f"L{round_no}-{secrets.token_hex(3)}"),
-                                     "max_tokens": 1})
-        ttft_long = r["ttft"]
+        agg = await agg16(http, url, args, round_no)
+        decode = await decode1(http, url, args, round_no)
+        long_ttft = await ttft_long(http, url, args, round_no)
         # chat turn 1, turn 2
         messages = [{"role": "user", "content": long_text(args.long, f"C{round_no}-{secrets.token_hex(3)}")
                      + "\nWhat is this text about?"}]
@@ -140,7 +155,7 @@ async def measure(url: str, args, round_no: int) -> dict:
             await asyncio.sleep(0.05)
         busy = (await stream(http, url, {"prompt": f"(busy {round_no}) " + PROMPTS[1], "max_tokens": 2}))["ttft"]
         await asyncio.gather(*running)
-    return {"agg16": agg, "decode1": decode1, "ttft_long": ttft_long, "chat1": r1["ttft"], "chat2": r2["ttft"],
+    return {"agg16": agg, "decode1": decode, "ttft_long": long_ttft, "chat1": r1["ttft"], "chat2": r2["ttft"],
             "ttft_idle": idle, "ttft_busy": busy}
 
 

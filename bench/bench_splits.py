@@ -26,38 +26,22 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_pipeline as bp  # noqa: E402  (the same daemons, client and prompts)
+import bench_pipeline as bp  # (the same daemons, client and prompts)
 
-from shards.manifest import Manifest  # noqa: E402
-
-FIGURES = {"agg": ">=", "decode1": ">=", "ttft_long": "<="}
+from shards.manifest import Manifest
 
 
 async def measure(url: str, args, tag: str) -> dict:
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as http:
+    async with bp.client() as http:
         await bp.stream(http, url, {"prompt": "Warm up.", "max_tokens": 4})
-        t0 = time.monotonic()
-        rs = await asyncio.gather(*(bp.stream(http, url, {"prompt": f"({tag}.{i}) " + bp.PROMPTS[i % len(bp.PROMPTS)],
-                                                          "max_tokens": args.tokens})
-                                    for i in range(args.streams)))
-        agg = sum(r["n"] for r in rs) / (max(r["last"] for r in rs) - t0)
-        r = await bp.stream(http, url, {"prompt": f"({tag}) " + bp.PROMPTS[0], "max_tokens": args.tokens})
-        decode1 = (r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan")
-        r = await bp.stream(http, url, {"prompt": bp.long_text(args.long, f"L{tag}-{secrets.token_hex(3)}"),
-                                        "max_tokens": 1})
-    return {"agg": agg, "decode1": decode1, "ttft_long": r["ttft"]}
+        return {"agg": await bp.agg16(http, url, args, tag), "decode1": await bp.decode1(http, url, args, tag),
+                "ttft_long": await bp.ttft_long(http, url, args, tag)}
 
 
 def budgets(manifest: Manifest, k: int) -> list[int]:
@@ -106,7 +90,7 @@ def main() -> int:
     finally:
         for r in running:
             r.stop()
-    med = {r.name: {k: statistics.median(row[k] for row in r.rows) for k in FIGURES} for r in running}
+    med = {r.name: bp.median_rows(r.rows) for r in running}
     one = med["meshd-1"]
     print(f"\n== medians of {args.rounds} and ratios to one peer ({args.streams} streams x {args.tokens}; "
           f"long prompt ~{args.long} tokens)")
