@@ -262,3 +262,95 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
     free(buf);
     return 0;
 }
+
+/* -- a whole block for decode rows -----------------------------------------------------------
+ *
+ * What shards/rowops.py's ``block`` does for rows that are each one new position of a session
+ * with a cache, as the nine steps below, with the linears that run on the block kernel called
+ * from here: qb_matmul of shards/qblocks.c, passed in (the two libraries are built apart).
+ * The same functions above and the same matmul on the same inputs in the same order, so the
+ * same floats; the Python between them is gone (about 100 us a layer of a decode step, where
+ * a small model's matmuls take 150-300 us). A linear on another kernel (torch's int4) is a
+ * step rowops.py runs between two calls here.
+ *
+ *   0 h = norm(x)     1 qkv = h Wqkv      2 att = attend(qkv)   3 o = att Wo
+ *   4 x += post(o), h = ffn_norm(x)       5 gu = h Wgu          6 p = act(g) * u
+ *   7 o = p W2        8 x += post(o)
+ *
+ * scratch (float32): h [n, H], o [n, H], qkv [n, (nq + 2 nkv) hd], att [n, nq hd],
+ * gu [n, 2 inter], p [n, inter], one after another.
+ * The plan (int64, written once a block by rowops.py; floats as their 32 bits):
+ *   0 H, 1 nq, 2 nkv, 3 hd, 4 inter, 5 gelu, 6..9 eps of the first norm, the middle add-norm,
+ *   the last add and the q/k norms, 10 attention scale, 11..16 norm weights (attention, post-
+ *   attention, ffn, post-ffn, q, k; 0 for none), 17 linears making q|k|v, 18 making gate|up,
+ *   then each linear: n, k, bias (0 or float32 [n]), segments (-1: not run here), and per
+ *   segment (ggml type, blocks, first row, rows). In order: the q/k/v ones, wo, the gate/up
+ *   ones, w2.
+ * rows: per row (K cache, V cache, capacity, position, first key) for ro_attend. */
+typedef int (*ro_matmul)(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                         int64_t ldy, int threads, int scalar, int two);
+
+static float bits_f(int64_t v) {
+    union { int32_t i; float f; } u = {.i = (int32_t)v};
+    return u.f;
+}
+
+static const void *ptr_of(int64_t v) { return (const void *)(intptr_t)v; }
+
+/* The plan's linear at p (run when ``run``) over x [m, k] into y (rows ldy apart); returns the
+ * next one. */
+static const int64_t *run_linear(const int64_t *p, int run, ro_matmul mm, const float *x, int64_t m, float *y,
+                                 int64_t ldy, int threads, int two, int *rc) {
+    int64_t n = p[0], k = p[1], nseg = p[3];
+    const float *bias = ptr_of(p[2]);
+    const int64_t *s = p + 4;
+    if (nseg < 0) return s;
+    for (int64_t i = 0; i < nseg; i++, s += 4) {
+        if (!run) continue;
+        int e = mm((int)s[0], ptr_of(s[1]), s[3], k, x, m, y + s[2], ldy, threads, 0, two);
+        if (e && !*rc) *rc = e;
+    }
+    if (bias && run)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < n; j++) y[r * ldy + j] = y[r * ldy + j] + bias[j];
+    return s;
+}
+
+/* Steps first .. last - 1 of the block for n decode rows of x [n, H] (updated in place). */
+int ro_block(const int64_t *plan, ro_matmul mm, int threads, int two, int64_t n, float *x, const float *cos,
+             const float *ssin, const int64_t *rows, float *scratch, int first, int last) {
+    int64_t H = plan[0], nq = plan[1], nkv = plan[2], hd = plan[3], inter = plan[4];
+    int64_t qd = nq * hd, wqkv = (nq + 2 * nkv) * hd;
+    const float *w_attn = ptr_of(plan[11]), *w_post_attn = ptr_of(plan[12]), *w_ffn = ptr_of(plan[13]);
+    const float *w_post_ffn = ptr_of(plan[14]), *w_q = ptr_of(plan[15]), *w_k = ptr_of(plan[16]);
+    float *h = scratch, *o = h + n * H, *qkv = o + n * H, *att = qkv + n * wqkv, *gu = att + n * qd;
+    float *p = gu + 2 * n * inter;
+    int rc = 0;
+#define STEP(i) (first <= (i) && (i) < last && !rc)
+    if (STEP(0)) rc = ro_add_norm(n, H, x, H, NULL, 0, 0, NULL, w_attn, bits_f(plan[6]), h, H, 0);
+    const int64_t *lp = plan + 19;
+    for (int64_t i = 0, col = 0; i < plan[17]; i++) {
+        int64_t cols = lp[0];
+        lp = run_linear(lp, STEP(1), mm, h, n, qkv + col, wqkv, threads, two, &rc);
+        col += cols;
+    }
+    for (int64_t r = 0; r < n && STEP(2); r++) {
+        const int64_t *c = rows + 5 * r;
+        const float *q = qkv + r * wqkv;
+        rc = ro_attend(nq, nkv, hd, q, 0, q + qd, 0, q + qd + nkv * hd, 0, w_q, w_k, bits_f(plan[9]), cos + r * hd,
+                       ssin + r * hd, (float *)ptr_of(c[0]), (float *)ptr_of(c[1]), c[2], c[3], c[4],
+                       bits_f(plan[10]), att + r * qd, 0);
+    }
+    lp = run_linear(lp, STEP(3), mm, att, n, o, H, threads, two, &rc);
+    if (STEP(4)) rc = ro_add_norm(n, H, x, H, o, H, 0, w_post_attn, w_ffn, bits_f(plan[7]), h, H, 0);
+    for (int64_t i = 0, col = 0; i < plan[18]; i++) {
+        int64_t cols = lp[0];
+        lp = run_linear(lp, STEP(5), mm, h, n, gu + col, 2 * inter, threads, two, &rc);
+        col += cols;
+    }
+    if (STEP(6)) rc = ro_act_mul(n, inter, gu, 2 * inter, 0, gu + inter, 2 * inter, 0, (int)plan[5], p, inter, 0);
+    run_linear(lp, STEP(7), mm, p, n, o, H, threads, two, &rc);
+    if (STEP(8)) rc = ro_add_norm(n, H, x, H, o, H, 0, w_post_ffn, NULL, bits_f(plan[8]), NULL, H, 0);
+#undef STEP
+    return rc;
+}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ def _declared(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     lib.ro_act_mul.argtypes = [i64, i64, ptr, i64, i32, ptr, i64, i32, i32, ptr, i64, i32]
     lib.ro_attend.argtypes = [i64, i64, i64, ptr, i32, ptr, i32, ptr, i32, ptr, ptr, f32, ptr, ptr,
                               ptr, ptr, i64, i64, i64, f32, ptr, i32]
-    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend):
+    lib.ro_block.argtypes = [ptr, ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32, i32]
+    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_block):
         f.restype = ctypes.c_int
     return lib
 
@@ -104,6 +106,78 @@ class _Plan:
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
         self.eps = a.q_norm.eps if a.q_norm is not None else 0.0
         self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
+        self.whole = _whole_plan(self, (a.wqkv,) if a.wqkv is not None else (a.wq, a.wk, a.wv), a.wo,
+                                 (f.w13,) if f.w13 is not None else (f.w1, f.w3), f.w2)
+
+
+class _Whole:
+    """A block's plan for rowops.c's ``ro_block`` (its steps and layout are described there):
+    ``runs``, in order, ("c", first, last) for steps run in one C call and ("torch", step) for a
+    linear on another kernel, run here between them. Keeps the tensors it points into."""
+
+    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int, torch_steps: set[int], sizes: tuple):
+        self.plan = torch.tensor(plan, dtype=torch.int64)
+        self.keep, self.matmul, self.sizes = keep, matmul, sizes
+        self.runs: list[tuple] = []
+        first = 0
+        for step in range(9):
+            if step in torch_steps:
+                if first < step:
+                    self.runs.append(("c", first, step))
+                self.runs.append(("torch", step))
+                first = step + 1
+        if first < 9:
+            self.runs.append(("c", first, 9))
+
+
+def _bits(v: float) -> int:  # a float as the 32 bits ctypes' c_float would pass
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def _eps(norm: nn.Module | None, post: nn.Module | None) -> float:  # add_norm's
+    n = norm if norm is not None else post
+    return n.eps if n is not None else 0.0
+
+
+def _on_blocks(m: nn.Module) -> bool:
+    return isinstance(m, QuantLinear) and m.path == "blocks_cpu" and (m.bias is None or m.bias.dtype == torch.float32)
+
+
+def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: tuple[nn.Module, ...],
+                w2: nn.Module) -> _Whole | None:
+    """The plan, with the linears on the block kernel (a GGUF file's Q8_0, Q5_x, Q6_K and Q5_K)
+    run in C; None where that kernel is not built, no linear runs on it, or with
+    MESHD_WHOLE_BLOCK=0 (for side-by-side runs)."""
+    lib = qblocks.library()
+    norms = (pl.attention_norm, pl.post_attention_norm, pl.ffn_norm, pl.post_ffn_norm, pl.q_norm, pl.k_norm)
+    slots = {1: qkv, 3: (wo,), 5: gate_up, 7: (w2,)}
+    in_c = {step: all(_on_blocks(m) for m in ms) for step, ms in slots.items()}
+    if (lib is None or os.environ.get("MESHD_WHOLE_BLOCK") == "0" or not any(in_c.values())
+            or any(n is not None and n.weight.dtype != torch.float32 for n in norms)):
+        return None
+    keep: list[Tensor] = []
+
+    def ptr(t: Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = t.detach().contiguous()
+        keep.append(t)
+        return t.data_ptr()
+    H = pl.attention_norm.weight.shape[0]
+    plan = [H, pl.nq, pl.nkv, pl.hd, pl.inter, pl.gelu,
+            _bits(_eps(pl.attention_norm, None)), _bits(_eps(pl.ffn_norm, pl.post_attention_norm)),
+            _bits(_eps(None, pl.post_ffn_norm)), _bits(pl.eps), _bits(pl.scale),
+            *(ptr(None if n is None else n.weight) for n in norms), len(qkv), len(gate_up)]
+    for step, ms in slots.items():
+        for m in ms:
+            segs = m._segments if in_c[step] else []
+            plan += [m.out_features, m.in_features, ptr(m.bias) if in_c[step] else 0, len(segs) if in_c[step] else -1]
+            for r0, r1, typ, blocks in segs:
+                plan += [qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0]
+    wqkv = (pl.nq + 2 * pl.nkv) * pl.hd
+    sizes = (H, H, wqkv, pl.nq * pl.hd, 2 * pl.inter, pl.inter)  # h, o, qkv, att, gu, p
+    return _Whole(plan, keep, ctypes.cast(lib.qb_matmul, ctypes.c_void_p).value,
+                  {step for step, c in in_c.items() if not c}, sizes)
 
 
 def _plan(b: nn.Module) -> _Plan:
@@ -140,6 +214,8 @@ def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: nn.Module | No
 def block(lib: ctypes.CDLL, b: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
     """``Block.forward`` of x [N, H] (float32, contiguous, updated in place and returned)."""
     pl = _plan(b)
+    if pl.whole is not None and all(rows == 1 and cache is not None for _, rows, cache in segments):
+        return _whole_block(lib, pl, x, cos, sin, segments)
     ys = pl.qkv(add_norm(lib, x, None, None, pl.attention_norm, pl.qkv.dtype))
     o = pl.wo(_attention(lib, pl, ys, cos, sin, segments))
     gu = pl.gate_up(add_norm(lib, x, o, pl.post_attention_norm, pl.ffn_norm, pl.gate_up.dtype))
@@ -150,6 +226,41 @@ def block(lib: ctypes.CDLL, b: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, s
                           int(u.dtype == _BF16), pl.gelu, p.data_ptr(), inter, int(p.dtype == _BF16)), "act_mul")
     add_norm(lib, x, pl.w2(p), pl.post_ffn_norm, None)
     return x
+
+
+def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
+    """``block`` for decode rows (one new position each, with a cache): its steps in C, and
+    the linears the block kernel does not run between them, in their own dtypes."""
+    w, n = pl.whole, len(segments)
+    vals = []
+    for start, _, cache in segments:
+        cache.reserve(start, 1)
+        vals += (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, start, pl.attention.first_key(start))
+    rows = (ctypes.c_int64 * len(vals))(*vals)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    scratch = torch.empty(n * sum(w.sizes))
+    h, o, qkv, att, gu, p = (t.view(n, -1) for t in scratch.split([n * k for k in w.sizes]))
+    for run in w.runs:
+        if run[0] == "c":
+            _check(lib.ro_block(w.plan.data_ptr(), w.matmul, torch.get_num_threads(), int(qblocks.TWO_PASS), n,
+                                x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, scratch.data_ptr(), *run[1:]),
+                   "block")
+        elif run[1] in (1, 5):  # the exact float32 of what each linear gives, side by side
+            lins, out = (pl.qkv, qkv) if run[1] == 1 else (pl.gate_up, gu)
+            _side_by_side(lins(h.to(lins.dtype)), out)
+        else:
+            run_, inp, dtype = (pl.wo, att, pl.wo_dtype) if run[1] == 3 else (pl.w2, p, pl.w2_dtype)
+            o.copy_(run_(inp.to(dtype)))
+    for start, _, cache in segments:
+        cache.length = start + 1
+    return x
+
+
+def _side_by_side(ys: list[Tensor], out: Tensor) -> None:
+    col = 0
+    for y in ys:
+        out[:, col:col + y.shape[1]] = y
+        col += y.shape[1]
 
 
 def _attention(lib: ctypes.CDLL, pl: _Plan, ys: list[Tensor], cos: Tensor, sin: Tensor, segments) -> Tensor:

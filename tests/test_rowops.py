@@ -1,7 +1,8 @@
 """shards/rowops.py: a block with its small steps fused in C computes what the torch block
 does, for every family switch, float and int4 weights, decode rows and prompt chunks mixed
-in one batch; a row's result does not depend on what else is in its batch; and without a
-compiler the torch forward runs."""
+in one batch; a row's result does not depend on what else is in its batch; decode rows run
+as a whole block in C (ro_block) give the very bits of the step-by-step path, with every
+linear on the block kernel or some on torch's; and without a compiler the torch forward runs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import copy
 import pytest
 import torch
 
-from shards import qlinear, rowops
+from shards import qblocks, qlinear, rowops
 from shards.config import ModelConfig
 from shards.model import Stage, fuse, rope_tables
-from shards.quant import QuantSpec
+from shards.quant import QuantSpec, TensorQuant
 from shards.span import Span
 
 LIB = rowops.library_for(torch.device("cpu"), torch.float32)
@@ -38,7 +39,27 @@ def _stage(name: str, weights: str) -> Stage:
     fuse(stage)
     if weights == "int4":
         qlinear.quantize_stage(stage, QuantSpec("int4", 32))
+    elif weights.startswith("blocks"):  # Q8_0 blocks, as a GGUF file's; "blocks+int4": w2 in int4
+        qlinear._swap_linears(stage, _q8_0)
+        if weights == "blocks+int4":
+            for b in stage.layers.values():
+                f = b.feed_forward
+                f.w2 = qlinear.QuantLinear.from_weight(f.w2.dense_weight(torch.float32), "int4", 32)
+        qlinear.prepare(stage, torch.float32)
     return stage.eval()
+
+
+def _q8_0(_key: str, m: torch.nn.Linear) -> qlinear.QuantLinear:
+    """m's weight in Q8_0's layout: int8 codes, an fp16 scale a group of 32."""
+    w = m.weight.detach().reshape(m.out_features, -1, 32)
+    s = (w.abs().amax(-1) / 127).clamp(min=1e-6).half().float()
+    q = torch.round(w / s[..., None]).clamp(-127, 127).to(torch.int8).reshape(m.out_features, -1)
+    out = qlinear.QuantLinear(m.in_features, m.out_features, TensorQuant("int8", 32, False, "Q8_0"),
+                              bias=m.bias is not None)
+    out.qweight, out.scales = q, s
+    if m.bias is not None:
+        out.bias = torch.nn.Parameter(m.bias.detach().clone())
+    return out
 
 
 def _forward(stage: Stage, lib, x: torch.Tensor, batch) -> torch.Tensor:
@@ -121,3 +142,65 @@ def test_without_a_compiler_the_torch_forward_runs(monkeypatch, tmp_path):
     monkeypatch.delenv("MESHD_ROWOPS")
     assert rowops.library_for(torch.device("cpu"), torch.bfloat16) is None
     assert rowops.library_for(torch.device("meta"), torch.float32) is None
+
+
+needs_blocks = pytest.mark.skipif(qblocks.library() is None, reason="no C compiler to build shards/qblocks.c")
+
+
+def _whole(stage: Stage, on: bool) -> None:
+    """Decode rows as whole blocks in C, or step by step (the plans are made on first use)."""
+    for b in stage.layers.values():
+        pl = rowops._plan(b)
+        if "_whole" not in pl.__dict__:
+            pl._whole = pl.whole
+        pl.whole = pl._whole if on else None
+
+
+@needs_blocks
+@pytest.mark.parametrize("weights", ["blocks", "blocks+int4"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_rows_as_a_whole_block_give_the_step_by_step_bits(name, weights):
+    stage = _stage(name, weights)
+    paths = {m.path for m in stage.modules() if isinstance(m, qlinear.QuantLinear)}
+    assert paths == ({"blocks_cpu"} if weights == "blocks" else {"blocks_cpu", "int4pack_cpu"})
+    _whole(stage, True)
+    plans = [rowops._plan(b).whole for b in stage.layers.values()]
+    assert all(p is not None for p in plans)
+    assert [r[0] for r in plans[0].runs] == (["c"] if weights == "blocks" else ["c", "torch", "c"])
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randn(n, 64, generator=gen) for n in (9, 3, 6)]
+    steps = torch.randn(4, 3, 64, generator=gen)  # four decode steps of the three sessions
+    runs = {}
+    for on in (False, True):
+        _whole(stage, on)
+        caches = [stage.new_caches() for _ in prompts]
+        for pr, c in zip(prompts, caches):
+            _forward(stage, LIB, pr, [(0, len(pr), c)])
+        outs = []
+        for i, rows in enumerate(steps):  # all three in one batch, then one of them alone
+            outs.append(_forward(stage, LIB, rows, [(len(pr) + i, 1, c) for pr, c in zip(prompts, caches)]))
+        runs[on] = outs, caches
+    (want, want_c), (got, got_c) = runs[False], runs[True]
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    for wc, gc in zip(want_c, got_c):
+        for layer in wc:
+            n = wc[layer].length
+            assert gc[layer].length == n
+            assert torch.equal(wc[layer].k[:, :n], gc[layer].k[:, :n])
+            assert torch.equal(wc[layer].v[:, :n], gc[layer].v[:, :n])
+
+
+@needs_blocks
+def test_a_whole_block_row_equals_that_row_in_a_mixed_batch():
+    """A decode row alone runs ro_block; beside a prompt's chunk it runs step by step."""
+    stage = _stage("gemma3", "blocks+int4")
+    _whole(stage, True)
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(7, 64, generator=gen)
+    ca = stage.new_caches()
+    _forward(stage, LIB, a, [(0, 7, ca)])
+    step, chunk = torch.randn(1, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    alone = _forward(stage, LIB, step, [(7, 1, copy.deepcopy(ca))])
+    mixed = _forward(stage, LIB, torch.cat([chunk, step]), [(0, 3, stage.new_caches()), (7, 1, ca)])
+    assert torch.equal(mixed[3:], alone)
