@@ -283,7 +283,8 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
  *   0 H, 1 nq, 2 nkv, 3 hd, 4 inter, 5 gelu, 6..9 eps of the first norm, the middle add-norm,
  *   the last add and the q/k norms, 10 attention scale, 11..16 norm weights (attention, post-
  *   attention, ffn, post-ffn, q, k; 0 for none), 17 linears making q|k|v, 18 making gate|up,
- *   then each linear: n, k, bias (0 or float32 [n]), segments (-1: not run here), and per
+ *   19..22 bf16 flags of the inputs h (q/k/v), att, h (gate/up), p; then each linear: n, k,
+ *   bias (0 or float32 [n]), segments (-1: not run here), and per
  *   segment (ggml type, blocks, first row, rows). In order: the q/k/v ones, wo, the gate/up
  *   ones, w2.
  * rows: per row (K cache, V cache, capacity, position, first key) for ro_attend. */
@@ -316,19 +317,33 @@ static const int64_t *run_linear(const int64_t *p, int run, ro_matmul mm, const 
     return s;
 }
 
-/* Steps first .. last - 1 of the block for n decode rows of x [n, H] (updated in place). */
+/* Steps first .. last - 1 of the block for n decode rows of x [n, H] (updated in place).
+ * ext (rows ext_ld apart, bf16 when ext_bf16): the output of step first - 1 when rowops.py ran
+ * it (a linear on another kernel), read in place of scratch; NULL when there is none. The
+ * inputs of such linears are written in the dtype they take (plan[19..22], bf16 when set:
+ * h for q/k/v, att, h for gate/up, p), as the step-by-step path writes them. */
 int ro_block(const int64_t *plan, ro_matmul mm, int threads, int two, int64_t n, float *x, const float *cos,
-             const float *ssin, const int64_t *rows, float *scratch, int first, int last) {
+             const float *ssin, const int64_t *rows, float *scratch, int first, int last, const void *ext,
+             int64_t ext_ld, int ext_bf16) {
     int64_t H = plan[0], nq = plan[1], nkv = plan[2], hd = plan[3], inter = plan[4];
     int64_t qd = nq * hd, wqkv = (nq + 2 * nkv) * hd;
     const float *w_attn = ptr_of(plan[11]), *w_post_attn = ptr_of(plan[12]), *w_ffn = ptr_of(plan[13]);
     const float *w_post_ffn = ptr_of(plan[14]), *w_q = ptr_of(plan[15]), *w_k = ptr_of(plan[16]);
+    int bf_h1 = (int)plan[19], bf_att = (int)plan[20], bf_h5 = (int)plan[21], bf_p = (int)plan[22];
     float *h = scratch, *o = h + n * H, *qkv = o + n * H, *att = qkv + n * wqkv, *gu = att + n * qd;
     float *p = gu + 2 * n * inter;
+    /* where steps 2, 4, 6 and 8 read the linear before them: scratch, or ext */
+    const void *src[9] = {0};
+    int64_t ld[9] = {0};
+    int bf[9] = {0};
+    src[2] = qkv, ld[2] = wqkv, src[4] = o, ld[4] = H, src[6] = gu, ld[6] = 2 * inter, src[8] = o, ld[8] = H;
+    if (ext && first >= 1 && first <= 8 && (first - 1) % 2 == 1) {
+        src[first] = ext, ld[first] = ext_ld, bf[first] = ext_bf16;
+    }
     int rc = 0;
 #define STEP(i) (first <= (i) && (i) < last && !rc)
-    if (STEP(0)) rc = ro_add_norm(n, H, x, H, NULL, 0, 0, NULL, w_attn, bits_f(plan[6]), h, H, 0);
-    const int64_t *lp = plan + 19;
+    if (STEP(0)) rc = ro_add_norm(n, H, x, H, NULL, 0, 0, NULL, w_attn, bits_f(plan[6]), h, H, bf_h1);
+    const int64_t *lp = plan + 23;
     for (int64_t i = 0, col = 0; i < plan[17]; i++) {
         int64_t cols = lp[0];
         lp = run_linear(lp, STEP(1), mm, h, n, qkv + col, wqkv, threads, two, &rc);
@@ -336,21 +351,26 @@ int ro_block(const int64_t *plan, ro_matmul mm, int threads, int two, int64_t n,
     }
     for (int64_t r = 0; r < n && STEP(2); r++) {
         const int64_t *c = rows + 5 * r;
-        const float *q = qkv + r * wqkv;
-        rc = ro_attend(nq, nkv, hd, q, 0, q + qd, 0, q + qd + nkv * hd, 0, w_q, w_k, bits_f(plan[9]), cos + r * hd,
-                       ssin + r * hd, (float *)ptr_of(c[0]), (float *)ptr_of(c[1]), c[2], c[3], c[4],
-                       bits_f(plan[10]), att + r * qd, 0);
+        const char *q = row(src[2], r, ld[2], bf[2]);
+        int64_t es = bf[2] ? 2 : 4;
+        rc = ro_attend(nq, nkv, hd, q, bf[2], q + qd * es, bf[2], q + (qd + nkv * hd) * es, bf[2], w_q, w_k,
+                       bits_f(plan[9]), cos + r * hd, ssin + r * hd, (float *)ptr_of(c[0]), (float *)ptr_of(c[1]),
+                       c[2], c[3], c[4], bits_f(plan[10]), row(att, r, qd, bf_att), bf_att);
     }
     lp = run_linear(lp, STEP(3), mm, att, n, o, H, threads, two, &rc);
-    if (STEP(4)) rc = ro_add_norm(n, H, x, H, o, H, 0, w_post_attn, w_ffn, bits_f(plan[7]), h, H, 0);
+    if (STEP(4)) rc = ro_add_norm(n, H, x, H, src[4], ld[4], bf[4], w_post_attn, w_ffn, bits_f(plan[7]), h, H, bf_h5);
     for (int64_t i = 0, col = 0; i < plan[18]; i++) {
         int64_t cols = lp[0];
         lp = run_linear(lp, STEP(5), mm, h, n, gu + col, 2 * inter, threads, two, &rc);
         col += cols;
     }
-    if (STEP(6)) rc = ro_act_mul(n, inter, gu, 2 * inter, 0, gu + inter, 2 * inter, 0, (int)plan[5], p, inter, 0);
+    if (STEP(6)) {
+        int64_t es = bf[6] ? 2 : 4;
+        rc = ro_act_mul(n, inter, src[6], ld[6], bf[6], (const char *)src[6] + inter * es, ld[6], bf[6], (int)plan[5],
+                        p, inter, bf_p);
+    }
     run_linear(lp, STEP(7), mm, p, n, o, H, threads, two, &rc);
-    if (STEP(8)) rc = ro_add_norm(n, H, x, H, o, H, 0, w_post_ffn, NULL, bits_f(plan[8]), NULL, H, 0);
+    if (STEP(8)) rc = ro_add_norm(n, H, x, H, src[8], ld[8], bf[8], w_post_ffn, NULL, bits_f(plan[8]), NULL, H, 0);
 #undef STEP
     return rc;
 }

@@ -53,7 +53,7 @@ def _declared(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     lib.ro_act_mul.argtypes = [i64, i64, ptr, i64, i32, ptr, i64, i32, i32, ptr, i64, i32]
     lib.ro_attend.argtypes = [i64, i64, i64, ptr, i32, ptr, i32, ptr, i32, ptr, ptr, f32, ptr, ptr,
                               ptr, ptr, i64, i64, i64, f32, ptr, i32]
-    lib.ro_block.argtypes = [ptr, ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32, i32]
+    lib.ro_block.argtypes = [ptr, ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, ptr, i64, i32]
     for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_block):
         f.restype = ctypes.c_int
     return lib
@@ -167,7 +167,9 @@ def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: t
     plan = [H, pl.nq, pl.nkv, pl.hd, pl.inter, pl.gelu,
             _bits(_eps(pl.attention_norm, None)), _bits(_eps(pl.ffn_norm, pl.post_attention_norm)),
             _bits(_eps(None, pl.post_ffn_norm)), _bits(pl.eps), _bits(pl.scale),
-            *(ptr(None if n is None else n.weight) for n in norms), len(qkv), len(gate_up)]
+            *(ptr(None if n is None else n.weight) for n in norms), len(qkv), len(gate_up),
+            *(int(not in_c[step] and dtype == _BF16) for step, dtype in
+              ((1, pl.qkv.dtype), (3, pl.wo_dtype), (5, pl.gate_up.dtype), (7, pl.w2_dtype)))]
     for step, ms in slots.items():
         for m in ms:
             segs = m._segments if in_c[step] else []
@@ -230,7 +232,8 @@ def block(lib: ctypes.CDLL, b: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, s
 
 def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
     """``block`` for decode rows (one new position each, with a cache): its steps in C, and
-    the linears the block kernel does not run between them, in their own dtypes."""
+    between them the linears the block kernel does not run, on inputs the C wrote in their
+    dtype; the C reads what they give in place."""
     w, n = pl.whole, len(segments)
     vals = []
     for start, _, cache in segments:
@@ -239,21 +242,34 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
     rows = (ctypes.c_int64 * len(vals))(*vals)
     cos, sin = cos.contiguous(), sin.contiguous()
     scratch = torch.empty(n * sum(w.sizes))
-    h, o, qkv, att, gu, p = (t.view(n, -1) for t in scratch.split([n * k for k in w.sizes]))
+    h, o, qkv, att, gu, p = scratch.split([n * k for k in w.sizes])
+    ext: Tensor | None = None  # what the linear run here last gave
     for run in w.runs:
         if run[0] == "c":
+            e = (0, 0, 0) if ext is None else (ext.data_ptr(), ext.stride(0), int(ext.dtype == _BF16))
             _check(lib.ro_block(w.plan.data_ptr(), w.matmul, torch.get_num_threads(), int(qblocks.TWO_PASS), n,
-                                x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, scratch.data_ptr(), *run[1:]),
+                                x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, scratch.data_ptr(), *run[1:], *e),
                    "block")
-        elif run[1] in (1, 5):  # the exact float32 of what each linear gives, side by side
+            ext = None
+        elif run[1] in (1, 5):
             lins, out = (pl.qkv, qkv) if run[1] == 1 else (pl.gate_up, gu)
-            _side_by_side(lins(h.to(lins.dtype)), out)
+            ys = lins(_view(h, n, lins.dtype))
+            if len(ys) == 1:
+                ext = ys[0]
+            else:  # parts apart: side by side in the float32 scratch (exact)
+                _side_by_side(ys, out.view(n, -1))
         else:
             run_, inp, dtype = (pl.wo, att, pl.wo_dtype) if run[1] == 3 else (pl.w2, p, pl.w2_dtype)
-            o.copy_(run_(inp.to(dtype)))
+            ext = run_(_view(inp, n, dtype))
     for start, _, cache in segments:
         cache.length = start + 1
     return x
+
+
+def _view(t: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """Part of the float32 scratch as the [n, k] rows the C wrote there in ``dtype``."""
+    k = t.numel() // n
+    return t.view(n, k) if dtype == torch.float32 else t.view(dtype)[:n * k].view(n, k)
 
 
 def _side_by_side(ys: list[Tensor], out: Tensor) -> None:
