@@ -115,9 +115,11 @@ class _Whole:
     ``runs``, in order, ("c", first, last) for steps run in one C call and ("torch", step) for a
     linear on another kernel, run here between them. Keeps the tensors it points into."""
 
-    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int, torch_steps: set[int], sizes: tuple):
+    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int, torch_steps: set[int], sizes: tuple,
+                 dtypes: tuple):
         self.plan = torch.tensor(plan, dtype=torch.int64)
-        self.keep, self.matmul, self.sizes = keep, matmul, sizes
+        self.keep, self.matmul, self.sizes, self.dtypes = keep, matmul, sizes, dtypes
+        self._scratch: dict[int, tuple] = {}  # by rows: the buffer and its parts (see scratch)
         self.runs: list[tuple] = []
         first = 0
         for step in range(9):
@@ -128,6 +130,18 @@ class _Whole:
                 first = step + 1
         if first < 9:
             self.runs.append(("c", first, 9))
+
+    def scratch(self, n: int) -> tuple:
+        """The float32 scratch of ro_block for n rows and, as the rows of the dtype the C writes
+        there, its parts h, o, qkv, att, gu, p. Made once for each n (a batch has at most as many
+        rows as the scheduler's lanes): a buffer lives only within one block's call, and a
+        stage's blocks run one at a time on its engine's thread."""
+        got = self._scratch.get(n)
+        if got is None:
+            buf = torch.empty(n * sum(self.sizes))
+            parts = [_view(t, n, dt) for t, dt in zip(buf.split([n * k for k in self.sizes]), self.dtypes)]
+            got = self._scratch[n] = (buf, *parts)
+        return got
 
 
 def _bits(v: float) -> int:  # a float as the 32 bits ctypes' c_float would pass
@@ -153,7 +167,8 @@ def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: t
     slots = {1: qkv, 3: (wo,), 5: gate_up, 7: (w2,)}
     in_c = {step: all(_on_blocks(m) for m in ms) for step, ms in slots.items()}
     if (lib is None or os.environ.get("MESHD_WHOLE_BLOCK") == "0" or not any(in_c.values())
-            or any(n is not None and n.weight.dtype != torch.float32 for n in norms)):
+            or any(n is not None and n.weight.dtype != torch.float32 for n in norms)
+            or not (in_c[1] or in_c[5] or pl.qkv.dtype == pl.gate_up.dtype)):  # (h is one buffer)
         return None
     keep: list[Tensor] = []
 
@@ -178,8 +193,11 @@ def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: t
                 plan += [qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0]
     wqkv = (pl.nq + 2 * pl.nkv) * pl.hd
     sizes = (H, H, wqkv, pl.nq * pl.hd, 2 * pl.inter, pl.inter)  # h, o, qkv, att, gu, p
+    f32 = torch.float32
+    dtypes = (pl.qkv.dtype if not in_c[1] else pl.gate_up.dtype if not in_c[5] else f32, f32, f32,
+              pl.wo_dtype if not in_c[3] else f32, f32, pl.w2_dtype if not in_c[7] else f32)
     return _Whole(plan, keep, ctypes.cast(lib.qb_matmul, ctypes.c_void_p).value,
-                  {step for step, c in in_c.items() if not c}, sizes)
+                  {step for step, c in in_c.items() if not c}, sizes, dtypes)
 
 
 def _plan(b: nn.Module) -> _Plan:
@@ -241,8 +259,7 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
         vals += (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, start, pl.attention.first_key(start))
     rows = (ctypes.c_int64 * len(vals))(*vals)
     cos, sin = cos.contiguous(), sin.contiguous()
-    scratch = torch.empty(n * sum(w.sizes))
-    h, o, qkv, att, gu, p = scratch.split([n * k for k in w.sizes])
+    scratch, h, o, qkv, att, gu, p = w.scratch(n)
     ext: Tensor | None = None  # what the linear run here last gave
     for run in w.runs:
         if run[0] == "c":
@@ -252,15 +269,13 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
                    "block")
             ext = None
         elif run[1] in (1, 5):
-            lins, out = (pl.qkv, qkv) if run[1] == 1 else (pl.gate_up, gu)
-            ys = lins(_view(h, n, lins.dtype))
+            ys = (pl.qkv if run[1] == 1 else pl.gate_up)(h)
             if len(ys) == 1:
                 ext = ys[0]
             else:  # parts apart: side by side in the float32 scratch (exact)
-                _side_by_side(ys, out.view(n, -1))
+                _side_by_side(ys, qkv if run[1] == 1 else gu)
         else:
-            run_, inp, dtype = (pl.wo, att, pl.wo_dtype) if run[1] == 3 else (pl.w2, p, pl.w2_dtype)
-            ext = run_(_view(inp, n, dtype))
+            ext = (pl.wo(att) if run[1] == 3 else pl.w2(p))
     for start, _, cache in segments:
         cache.length = start + 1
     return x

@@ -39,11 +39,12 @@ def _stage(name: str, weights: str) -> Stage:
     fuse(stage)
     if weights == "int4":
         qlinear.quantize_stage(stage, QuantSpec("int4", 32))
-    elif weights.startswith("blocks"):  # Q8_0 blocks, as a GGUF file's; "blocks+int4": w2 in int4
+    elif weights.startswith("blocks"):  # Q8_0 blocks, as a GGUF file's; "+int4": q/k/v and w2 in int4
         qlinear._swap_linears(stage, _q8_0)
         if weights == "blocks+int4":
             for b in stage.layers.values():
-                f = b.feed_forward
+                a, f = b.attention, b.feed_forward
+                a.wqkv = qlinear.QuantLinear.from_weight(a.wqkv.dense_weight(torch.float32), "int4", 32, a.wqkv.bias)
                 f.w2 = qlinear.QuantLinear.from_weight(f.w2.dense_weight(torch.float32), "int4", 32)
         qlinear.prepare(stage, torch.float32)
     return stage.eval()
@@ -166,7 +167,7 @@ def test_decode_rows_as_a_whole_block_give_the_step_by_step_bits(name, weights):
     _whole(stage, True)
     plans = [rowops._plan(b).whole for b in stage.layers.values()]
     assert all(p is not None for p in plans)
-    assert [r[0] for r in plans[0].runs] == (["c"] if weights == "blocks" else ["c", "torch", "c"])
+    assert [r[0] for r in plans[0].runs] == (["c"] if weights == "blocks" else ["c", "torch", "c", "torch", "c"])
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randn(n, 64, generator=gen) for n in (9, 3, 6)]
     steps = torch.randn(4, 3, 64, generator=gen)  # four decode steps of the three sessions
