@@ -24,6 +24,7 @@ import ctypes
 import functools
 import os
 import struct
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,7 @@ class _Whole:
                  dtypes: tuple):
         self.plan = torch.tensor(plan, dtype=torch.int64)
         self.keep, self.matmul, self.sizes, self.dtypes = keep, matmul, sizes, dtypes
-        self._scratch: dict[int, tuple] = {}  # by rows: the buffer and its parts (see scratch)
+        self._scratch: dict[tuple[int, int], tuple] = {}  # by (thread, rows): see scratch
         self.runs: list[tuple] = []
         first = 0
         for step in range(9):
@@ -133,14 +134,15 @@ class _Whole:
 
     def scratch(self, n: int) -> tuple:
         """The float32 scratch of ro_block for n rows and, as the rows of the dtype the C writes
-        there, its parts h, o, qkv, att, gu, p. Made once for each n (a batch has at most as many
-        rows as the scheduler's lanes): a buffer lives only within one block's call, and a
-        stage's blocks run one at a time on its engine's thread."""
-        got = self._scratch.get(n)
+        there, its parts h, o, qkv, att, gu, p. Made once for each n on each thread (a stage runs
+        on its engine's thread; a batch has at most as many rows as the scheduler's lanes): a
+        buffer lives only within one block's call."""
+        key = (threading.get_ident(), n)
+        got = self._scratch.get(key)
         if got is None:
             buf = torch.empty(n * sum(self.sizes))
             parts = [_view(t, n, dt) for t, dt in zip(buf.split([n * k for k in self.sizes]), self.dtypes)]
-            got = self._scratch[n] = (buf, *parts)
+            got = self._scratch[key] = (buf, *parts)
         return got
 
 
