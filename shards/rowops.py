@@ -120,7 +120,6 @@ class _Whole:
                  dtypes: tuple):
         self.plan = torch.tensor(plan, dtype=torch.int64)
         self.keep, self.matmul, self.sizes, self.dtypes = keep, matmul, sizes, dtypes
-        self._scratch: dict[tuple[int, int], tuple] = {}  # by (thread, rows): see scratch
         self.runs: list[tuple] = []
         first = 0
         for step in range(9):
@@ -134,16 +133,23 @@ class _Whole:
 
     def scratch(self, n: int) -> tuple:
         """The float32 scratch of ro_block for n rows and, as the rows of the dtype the C writes
-        there, its parts h, o, qkv, att, gu, p. Made once for each n on each thread (a stage runs
-        on its engine's thread; a batch has at most as many rows as the scheduler's lanes): a
-        buffer lives only within one block's call."""
-        key = (threading.get_ident(), n)
-        got = self._scratch.get(key)
+        there, its parts h, o, qkv, att, gu, p. One buffer a thread, shared by every block (a
+        buffer lives only within one block's call), grown to the largest batch seen; the parts'
+        views are kept by (n, sizes, dtypes) until it grows."""
+        need = n * sum(self.sizes)
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < need:
+            buf = _scratch.buf = torch.empty(need, dtype=torch.float32)
+            _scratch.views = {}
+        key = (n, self.sizes, self.dtypes)
+        got = _scratch.views.get(key)
         if got is None:
-            buf = torch.empty(n * sum(self.sizes))
-            parts = [_view(t, n, dt) for t, dt in zip(buf.split([n * k for k in self.sizes]), self.dtypes)]
-            got = self._scratch[key] = (buf, *parts)
+            parts = buf[:need].split([n * k for k in self.sizes])
+            got = _scratch.views[key] = (buf, *(_view(t, n, dt) for t, dt in zip(parts, self.dtypes)))
         return got
+
+
+_scratch = threading.local()  # ro_block's buffer on this thread (_Whole.scratch)
 
 
 def _bits(v: float) -> int:  # a float as the 32 bits ctypes' c_float would pass
@@ -236,7 +242,8 @@ def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: nn.Module | No
 def block(lib: ctypes.CDLL, b: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
     """``Block.forward`` of x [N, H] (float32, contiguous, updated in place and returned)."""
     pl = _plan(b)
-    if pl.whole is not None and all(rows == 1 and cache is not None for _, rows, cache in segments):
+    if (pl.whole is not None and segments and all(rows == 1 and cache is not None for _, rows, cache in segments)
+            and len({id(c) for _, _, c in segments}) == len(segments)):  # (one cache twice: the error below)
         return _whole_block(lib, pl, x, cos, sin, segments)
     ys = pl.qkv(add_norm(lib, x, None, None, pl.attention_norm, pl.qkv.dtype))
     o = pl.wo(_attention(lib, pl, ys, cos, sin, segments))
@@ -265,6 +272,8 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
     ext: Tensor | None = None  # what the linear run here last gave
     for run in w.runs:
         if run[0] == "c":
+            if ext is not None and ext.stride(-1) != 1:
+                ext = ext.contiguous()
             e = (0, 0, 0) if ext is None else (ext.data_ptr(), ext.stride(0), int(ext.dtype == _BF16))
             _check(lib.ro_block(w.plan.data_ptr(), w.matmul, torch.get_num_threads(), int(qblocks.TWO_PASS), n,
                                 x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, scratch.data_ptr(), *run[1:], *e),
