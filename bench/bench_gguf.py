@@ -7,8 +7,10 @@ node loads it (the engine, its device layouts built): the bytes its weights hold
 its batch-1 decode tok/s (a 16-token prompt, then single-token steps, best of --rounds);
 and llama.cpp's `llama-bench` decode (tg) on the same file with the same thread count.
 The two engines run in alternating rounds so that other work on the machine weighs on both.
+``--step-by-step`` adds a third engine to each round: meshd with MESHD_WHOLE_BLOCK=0 (decode
+rows through a block's steps one C call at a time, as before shards/rowops.c's ro_block).
 
-    .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [FILE.gguf ...]
+    .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [--step-by-step] [FILE.gguf ...]
 
 Default files: SmolLM2's Q4_1 (the default model's source in state/cache), a SmolLM2
 Q4_K_M that `llama-quantize` makes from it (once, into state/cache), Gemma 3 270M Q4_K_M
@@ -130,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llama", default=None)
     ap.add_argument("--gemma", default="/work/cache/gemma/gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--step-by-step", action="store_true", help="also meshd with MESHD_WHOLE_BLOCK=0")
     ap.add_argument("--child", nargs=1)
     a = ap.parse_args()
     if a.child:
@@ -155,31 +158,39 @@ def main() -> None:
             row["skipped"] = f"convert: {e}"[:160]
             continue
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-        ours, theirs = [], []
-        for _ in range(a.rounds):  # alternate the engines so that other load weighs on both
+        ours, steps, theirs = [], [], []
+
+        def meshd(extra: dict) -> dict:
             res = subprocess.run([sys.executable, __file__, "--child", str(out), "--threads", str(a.threads),
                                   "--tokens", str(a.tokens), "--rounds", "1"],
-                                 capture_output=True, text=True, env=env, check=True)
-            r = json.loads(res.stdout.strip().splitlines()[-1])
+                                 capture_output=True, text=True, env=env | extra, check=True)
+            return json.loads(res.stdout.strip().splitlines()[-1])
+        for _ in range(a.rounds):  # alternate the engines so that other load weighs on both
+            r = meshd({})
             ours.append(r["decode_tok_s"][0])
             row |= {k: v for k, v in r.items() if k != "decode_tok_s"}
+            if a.step_by_step:
+                steps.append(meshd({"MESHD_WHOLE_BLOCK": "0"})["decode_tok_s"][0])
             if llama:
                 theirs.append(llama_bench(llama, f, a.threads, a.tokens))
         row["decode_tok_s"] = max(ours)
+        row["step_by_step_tok_s"] = max(steps) if steps else None
         row["llama_tok_s"] = max(theirs) if theirs else None
     print(f"\nthreads {a.threads}, {a.tokens} decode tokens, best of {a.rounds} alternating rounds\n")
+    sbs = a.step_by_step
     print("| file | tensor MB | resident weights MB (x tensor) | peak RSS MB | meshd decode tok/s | "
-          "llama.cpp tok/s | x llama.cpp | kernel paths |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+          + ("step by step tok/s (x) | " if sbs else "") + "llama.cpp tok/s | x llama.cpp | kernel paths |")
+    print("|---|---:|---:|---:|---:|" + ("---:|" if sbs else "") + "---:|---:|---|")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['file']} | {r.get('tensor_mb', float('nan')):.1f} | skipped: {r['skipped']} | | | | | |")
             continue
         w = r["resident_weight_bytes"] / 1e6
-        lt, ours = r["llama_tok_s"], r["decode_tok_s"]
+        lt, ours, st = r["llama_tok_s"], r["decode_tok_s"], r["step_by_step_tok_s"]
         vs = f"x{ours / lt:.2f}" if lt else "n/a"
+        step = f"{st:.1f} (x{ours / st:.2f}) | " if sbs else ""
         print(f"| {r['file']} | {r['tensor_mb']:.1f} | {w:.1f} (x{w / r['tensor_mb']:.2f}) | {r['peak_rss_mb']:.0f} | "
-              f"{ours:.1f} | {'n/a' if lt is None else f'{lt:.1f}'} | {vs} | {r['paths']} |")
+              f"{ours:.1f} | {step}{'n/a' if lt is None else f'{lt:.1f}'} | {vs} | {r['paths']} |")
     print(json.dumps(rows))
 
 
