@@ -304,14 +304,13 @@ static const int64_t *run_linear(const int64_t *p, int run, ro_matmul mm, const 
                                  int64_t ldy, int threads, int two, int *rc) {
     int64_t n = p[0], k = p[1], nseg = p[3];
     const float *bias = ptr_of(p[2]);
-    const int64_t *s = p + 4;
-    if (nseg < 0) return s;
-    for (int64_t i = 0; i < nseg; i++, s += 4) {
-        if (!run) continue;
+    const int64_t *s = p + 4, *next = s + 4 * (nseg > 0 ? nseg : 0);
+    if (!run || nseg < 0) return next;
+    for (; s < next; s += 4) {
         int e = mm((int)s[0], ptr_of(s[1]), s[3], k, x, m, y + s[2], ldy, threads, 0, two);
         if (e && !*rc) *rc = e;
     }
-    if (bias && run)
+    if (bias)
         for (int64_t r = 0; r < m; r++)
             for (int64_t j = 0; j < n; j++) y[r * ldy + j] = y[r * ldy + j] + bias[j];
     return s;

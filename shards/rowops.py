@@ -84,6 +84,7 @@ class _Linears:
         self.dtype = _BF16 if all(d == _BF16 for d in dtypes) else torch.float32
         self.casts = [None if d == self.dtype else d for d in dtypes]
         self.runs = [_runner(m) for m in linears]
+        self.linears = linears
 
     def __call__(self, x: Tensor) -> list[Tensor]:
         return [run(x if cast is None else x.to(cast)) for run, cast in zip(self.runs, self.casts)]
@@ -107,8 +108,7 @@ class _Plan:
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
         self.eps = a.q_norm.eps if a.q_norm is not None else 0.0
         self.scale = a.scale if a.scale is not None else a.head_dim ** -0.5
-        self.whole = _whole_plan(self, (a.wqkv,) if a.wqkv is not None else (a.wq, a.wk, a.wv), a.wo,
-                                 (f.w13,) if f.w13 is not None else (f.w1, f.w3), f.w2)
+        self.whole = _whole_plan(self, a.wo, f.w2)
 
 
 class _Whole:
@@ -165,15 +165,17 @@ def _on_blocks(m: nn.Module) -> bool:
     return isinstance(m, QuantLinear) and m.path == "blocks_cpu" and (m.bias is None or m.bias.dtype == torch.float32)
 
 
-def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: tuple[nn.Module, ...],
-                w2: nn.Module) -> _Whole | None:
+def _whole_plan(pl: _Plan, wo: nn.Module, w2: nn.Module) -> _Whole | None:
     """The plan, with the linears on the block kernel (a GGUF file's Q8_0, Q5_x, Q6_K and Q5_K)
     run in C; None where that kernel is not built, no linear runs on it, or with
     MESHD_WHOLE_BLOCK=0 (for side-by-side runs)."""
     lib = qblocks.library()
     norms = (pl.attention_norm, pl.post_attention_norm, pl.ffn_norm, pl.post_ffn_norm, pl.q_norm, pl.k_norm)
-    slots = {1: qkv, 3: (wo,), 5: gate_up, 7: (w2,)}
+    slots = {1: pl.qkv.linears, 3: (wo,), 5: pl.gate_up.linears, 7: (w2,)}
     in_c = {step: all(_on_blocks(m) for m in ms) for step, ms in slots.items()}
+    f32 = torch.float32  # what each slot's input is written in: its own dtype where torch runs it
+    takes = {step: f32 if in_c[step] else dtype for step, dtype in
+             ((1, pl.qkv.dtype), (3, pl.wo_dtype), (5, pl.gate_up.dtype), (7, pl.w2_dtype))}
     if (lib is None or os.environ.get("MESHD_WHOLE_BLOCK") == "0" or not any(in_c.values())
             or any(n is not None and n.weight.dtype != torch.float32 for n in norms)
             or not (in_c[1] or in_c[5] or pl.qkv.dtype == pl.gate_up.dtype)):  # (h is one buffer)
@@ -190,9 +192,8 @@ def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: t
     plan = [H, pl.nq, pl.nkv, pl.hd, pl.inter, pl.gelu,
             _bits(_eps(pl.attention_norm, None)), _bits(_eps(pl.ffn_norm, pl.post_attention_norm)),
             _bits(_eps(None, pl.post_ffn_norm)), _bits(pl.eps), _bits(pl.scale),
-            *(ptr(None if n is None else n.weight) for n in norms), len(qkv), len(gate_up),
-            *(int(not in_c[step] and dtype == _BF16) for step, dtype in
-              ((1, pl.qkv.dtype), (3, pl.wo_dtype), (5, pl.gate_up.dtype), (7, pl.w2_dtype)))]
+            *(ptr(None if n is None else n.weight) for n in norms), len(slots[1]), len(slots[5]),
+            *(int(takes[step] == _BF16) for step in (1, 3, 5, 7))]
     for step, ms in slots.items():
         for m in ms:
             segs = m._segments if in_c[step] else []
@@ -201,9 +202,7 @@ def _whole_plan(pl: _Plan, qkv: tuple[nn.Module, ...], wo: nn.Module, gate_up: t
                 plan += [qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0]
     wqkv = (pl.nq + 2 * pl.nkv) * pl.hd
     sizes = (H, H, wqkv, pl.nq * pl.hd, 2 * pl.inter, pl.inter)  # h, o, qkv, att, gu, p
-    f32 = torch.float32
-    dtypes = (pl.qkv.dtype if not in_c[1] else pl.gate_up.dtype if not in_c[5] else f32, f32, f32,
-              pl.wo_dtype if not in_c[3] else f32, f32, pl.w2_dtype if not in_c[7] else f32)
+    dtypes = (takes[5] if in_c[1] else takes[1], f32, f32, takes[3], f32, takes[7])  # as sizes
     return _Whole(plan, keep, ctypes.cast(lib.qb_matmul, ctypes.c_void_p).value,
                   {step for step, c in in_c.items() if not c}, sizes, dtypes)
 
@@ -284,7 +283,7 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
             if len(ys) == 1:
                 ext = ys[0]
             else:  # parts apart: side by side in the float32 scratch (exact)
-                _side_by_side(ys, qkv if run[1] == 1 else gu)
+                torch.cat(ys, dim=1, out=qkv if run[1] == 1 else gu)
         else:
             ext = (pl.wo(att) if run[1] == 3 else pl.w2(p))
     for start, _, cache in segments:
@@ -296,13 +295,6 @@ def _view(t: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """Part of the float32 scratch as the [n, k] rows the C wrote there in ``dtype``."""
     k = t.numel() // n
     return t.view(n, k) if dtype == torch.float32 else t.view(dtype)[:n * k].view(n, k)
-
-
-def _side_by_side(ys: list[Tensor], out: Tensor) -> None:
-    col = 0
-    for y in ys:
-        out[:, col:col + y.shape[1]] = y
-        col += y.shape[1]
 
 
 def _attention(lib: ctypes.CDLL, pl: _Plan, ys: list[Tensor], cos: Tensor, sin: Tensor, segments) -> Tensor:

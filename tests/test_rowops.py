@@ -35,6 +35,8 @@ CONFIGS = {
 # leaves q/k/v and gate/up unfused (three int4 linears side by side, two Q8_0 ones).
 BLOCKS = {"blocks": (), "blocks+int4 qkv w2": ("wqkv", "w2"), "blocks+int4 wo w13": ("wo", "w13"),
           "blocks apart": ("wq", "wk", "wv")}
+RUNS = {"blocks": ["c"], "blocks+int4 qkv w2": ["c", "torch", "c", "torch", "c"],
+        "blocks+int4 wo w13": ["c", "torch", "c", "torch", "c"], "blocks apart": ["c", "torch", "c"]}
 
 
 def _stage(name: str, weights: str) -> Stage:
@@ -178,8 +180,7 @@ def test_decode_rows_as_a_whole_block_give_the_step_by_step_bits(name, weights):
     _whole(stage, True)
     plans = [rowops._plan(b).whole for b in stage.layers.values()]
     assert all(p is not None for p in plans)
-    assert [r[0] for r in plans[0].runs] == {0: ["c"], 1: ["c", "torch", "c"]}.get(
-        len(BLOCKS[weights]) - (weights == "blocks apart") * 2, ["c", "torch", "c", "torch", "c"])
+    assert [r[0] for r in plans[0].runs] == RUNS[weights]
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randn(n, 64, generator=gen) for n in (9, 3, 6)]
     steps = torch.randn(4, 3, 64, generator=gen)  # four decode steps of the three sessions
