@@ -2,11 +2,13 @@
 stages: a step through the plan gives the tokens one engine gives; a stage lost mid-way
 makes the step wait for the next plan and replay the session's history through the new
 owner (whose caches are empty), and the tokens go on unchanged; a stage that answers
-Fail asks for a new plan; no plan in time is a NoCapacity naming why."""
+Fail asks for a new plan; no plan in time is a NoCapacity naming why; a burst of new
+prompts goes through the stages as a wave of session groups."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -136,3 +138,56 @@ async def test_no_plan_in_time_is_no_capacity_saying_why(parts):
     await pipeline.suspend("peers have room for 2 of 6 layers")
     with pytest.raises(NoCapacity, match="room for 2 of 6"):
         await generate(pipeline, 1)
+
+
+class OneAtATime:
+    """A stage as a peer runs it: one call at a time, each taking a while (``hold_s``);
+    records when each call ran and which sessions it carried."""
+
+    def __init__(self, inner: LocalRunner, name: str, calls: list, hold_s: float = 0.03):
+        self.inner, self.name, self.calls, self.hold_s = inner, name, calls, hold_s
+        self.lock = asyncio.Lock()
+
+    async def forward_batch(self, term, segments, hidden):
+        async with self.lock:
+            began = asyncio.get_running_loop().time()
+            await asyncio.sleep(self.hold_s)
+            out = await self.inner.forward_batch(term, segments, hidden)
+            self.calls.append((self.name, began, asyncio.get_running_loop().time(), len(segments)))
+            return out
+
+    async def drop(self, term, session):
+        await self.inner.drop(term, session)
+
+
+async def test_a_burst_of_new_prompts_goes_through_two_stages_as_a_wave(parts, tiny_model_dir):
+    """Streams arriving at once put their prompts in one step (the first-token lane's): over
+    two stages it is cut into groups of sessions, the second stage working on one while the
+    first runs the next (the burst's time to first token falls), and every session gets one
+    engine's tokens."""
+    engine, n, _ = parts
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 100) for _ in range(70)] for _ in range(4)]
+    whole = engine(Span(0, n), True, True)
+    expected = [whole.run_sync(lambda p=p: generate_greedy(whole, p, 3)) for p in prompts]
+    head = engine(None, True, True)
+    pipeline = Pipeline(lambda: head)
+    calls: list = []
+    await pipeline.serve(1, plan(n), {"a": OneAtATime(LocalRunner(engine(Span(0, SPLIT))), "a", calls),
+                                      "b": OneAtATime(LocalRunner(engine(Span(SPLIT, n))), "b", calls)})
+    sessions = [Session(f"s{i}", list(p), len(p), SamplingParams(temperature=0.0, max_tokens=3),
+                        sampler=Sampler(SamplingParams(temperature=0.0))) for i, p in enumerate(prompts)]
+    first = await pipeline.step(sessions, _pick)
+    burst = list(calls)
+    while any(len(s.generated) < 3 for s in sessions):
+        for s in sessions:
+            if (token := first.get(s.id)) is not None:
+                s.tokens.append(token)
+        if all(len(s.generated) >= 3 for s in sessions):
+            break
+        first = await pipeline.step(sessions, _pick)
+    assert [s.generated for s in sessions] == expected
+    a_calls = [c for c in burst if c[0] == "a"]
+    b_calls = [c for c in burst if c[0] == "b"]
+    assert len(a_calls) == len(b_calls) > 1, f"the burst went as one batch: {burst}"
+    assert b_calls[0][1] < a_calls[-1][2], "the second stage waited for the first to finish every group"

@@ -131,14 +131,7 @@ class Pipeline:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")
                 work = await self._prefill_long(plan, work)
-                # The sessions whose last token this step runs: the head picks their next one.
-                done, rows_at = [], 0
-                for s, start, rows in work:
-                    rows_at += rows
-                    if start + rows == len(s.tokens):
-                        done.append((s, rows_at - 1))
-                picked = await self._run(plan, work, engine, [row for _, row in done],
-                                         lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
+                picked = await self._run_waves(plan, work, engine, pick)
             except PeerLost as exc:
                 log.warning("step_peer_lost", term=plan.term, sessions=len(sessions), reason=str(exc))
                 attempts += 1
@@ -156,8 +149,7 @@ class Pipeline:
             out: dict[str, int | None] = {s.id: None for s, _, _ in work}
             for s, start, rows in work:
                 s.cached, s.term = start + rows, plan.term
-            for (s, _), token in zip(done, picked):
-                out[s.id] = token
+            out.update(picked)
             return out
 
     async def prefill(self, session) -> None:
@@ -224,6 +216,34 @@ class Pipeline:
         log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
                  stages=len(runners))
 
+    async def _run_waves(self, plan: ActivePlan, work: list, engine,
+                         pick: Callable[[object, torch.Tensor], int]) -> dict[str, int]:
+        """The step's rows through the plan, and the head's pick for each session whose last
+        token they hold. Many rows over several stages (a burst of new sessions' prompts in
+        the first-token lane) go as a wave of session groups, group k+1 at stage A while
+        group k is at stage B (``_waves``); each stage's engine takes them in order."""
+
+        async def run(group: list) -> list[tuple[str, int]]:
+            # The sessions whose last token this group runs: the head picks their next one.
+            done, rows_at = [], 0
+            for s, start, rows in group:
+                rows_at += rows
+                if start + rows == len(s.tokens):
+                    done.append((s, rows_at - 1))
+            picked = await self._run(plan, group, engine, [row for _, row in done],
+                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
+            return [(s.id, token) for (s, _), token in zip(done, picked)]
+
+        groups = _waves(work, len(plan.assignments))
+        if len(groups) == 1:
+            return dict(await run(work))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(run(group)) for group in groups]
+        except* Exception as group_error:
+            raise _one(group_error) from None
+        return {sid: token for task in tasks for sid, token in task.result()}
+
     async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
                    pick_rows: Callable[[torch.Tensor], list[int]]) -> list[int]:
         """The rows of ``work`` embedded and through every span in order, then the head on
@@ -272,6 +292,24 @@ class Pipeline:
                     await runner.drop(plan.term, key)
                 except PeerLost:
                     break  # its caches went with it
+
+
+def _waves(work: list, stages: int) -> list[list]:
+    """``work`` (session, start, rows) cut into groups of whole sessions, in order, of about
+    equal rows, for a wave through ``stages`` stages: at most WAVE_CHUNKS_PER_STAGE groups a
+    stage, none under about MIN_WAVE_CHUNK rows; one group where that leaves fewer than two."""
+    total = sum(rows for _, _, rows in work)
+    count = min(len(work), total // MIN_WAVE_CHUNK, WAVE_CHUNKS_PER_STAGE * stages) if stages > 1 else 1
+    if count < 2:
+        return [work]
+    groups: list[list] = [[]]
+    acc = 0
+    for item in work:
+        if groups[-1] and acc >= total * len(groups) / count:
+            groups.append([])
+        groups[-1].append(item)
+        acc += item[2]
+    return groups
 
 
 def _one(group: BaseExceptionGroup) -> BaseException:
