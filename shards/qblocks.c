@@ -599,6 +599,9 @@ int qb_simd(void) {
 #endif
 }
 
+#define SMALL_M 64  /* up to this many input rows, no [N, M] buffer (qb_matmul) */
+#define SMALL_N 64  /* weight rows whose outputs are moved to y together */
+
 /* y [M, N] (row stride ldy) = x [M, K] W^T, W [N] rows of K / per blocks; ``two``: round
  * the input twice (see xrow). 0, or -1 for a type or K it cannot run, -2 out of memory. */
 int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
@@ -622,9 +625,24 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
 #ifdef QB_AVX2
     if (!scalar) dot = dot_rows_avx2;
 #endif
+    (void)threads;
+    if (M > 1 && M <= SMALL_M) {
+        /* A decode batch: each weight row's M outputs go from a buffer on the stack straight to
+         * their rows of y, not through an [N, M] buffer and a transposing pass over it (a
+         * head's N x M floats are megabytes: out of cache twice). Same dots, same bits. */
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t n0 = 0; n0 < N; n0 += SMALL_N) {
+            float out[SMALL_N * SMALL_M];
+            int64_t nn = N - n0 < SMALL_N ? N - n0 : SMALL_N;
+            for (int64_t j = 0; j < nn; j++) dot(type, W + (n0 + j) * row_bytes, xr, M, K, out + j * M);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < nn; j++) y[m * ldy + n0 + j] = out[j * M + m];
+        }
+        free(xq); free(xf); free(xr); free(xl);
+        return 0;
+    }
     float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
     if (!yt) { free(xq); free(xf); free(xr); free(xl); return -2; }
-    (void)threads;
     int two_rows = 0;  /* a decode step's Q5_0: two weight rows a pass (dot2_q5_0) */
 #ifdef QB_512
     two_rows = !scalar && type == Q5_0 && M == 1 && (K / 32) % 2 == 0;

@@ -112,13 +112,16 @@ def test_simd_rounds_an_input_row_to_the_plain_c_codes(k):
 @pytest.mark.parametrize("name", KERNEL)
 def test_a_rows_outputs_are_the_same_bits_alone_and_in_a_batch(name):
     """A decode row (M = 1, which some types run two weight rows at a time) gives the bits
-    it gives inside a prefill's batch: what makes batched generation equal plain. An odd
-    row count leaves a last weight row on its own."""
+    it gives inside a decode batch (up to 64 rows, written straight to the output) and inside a
+    prefill's (more rows, through a row-major buffer): what makes batched generation equal
+    plain. An odd row count leaves a last weight row on its own."""
     _, rec, ref, raw = _tensor(name)
     n = ref.shape[0] - 1 if ref.shape[0] % 2 == 0 else ref.shape[0]
-    x = torch.randn(6, ref.shape[1], generator=torch.Generator().manual_seed(5))
+    x = torch.randn(70, ref.shape[1], generator=torch.Generator().manual_seed(5))
     lib = qblocks.library()
-    batch = qblocks.matmul(lib, raw[:n], rec.source, x, n)
+    prefill = qblocks.matmul(lib, raw[:n], rec.source, x, n)
+    batch = qblocks.matmul(lib, raw[:n], rec.source, x[:6].clone(), n)
+    assert torch.equal(batch, prefill[:6])
     for m in (0, 5):
         assert torch.equal(qblocks.matmul(lib, raw[:n], rec.source, x[m:m + 1].clone(), n), batch[m:m + 1])
 
