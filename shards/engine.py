@@ -271,6 +271,11 @@ class StageEngine:
             raise ModelError("this stage's engine was closed: its plan was replaced")
         return await self._pool.call(lambda: self._call(fn), URGENT.get())
 
+    async def run(self, fn: Callable[[], R]) -> R:
+        """``fn()`` on the worker thread, beside this engine's torch work (the pipeline's
+        picks of a wave's sessions: sampling is torch work too)."""
+        return await self._run(fn)
+
     def run_sync(self, fn: Callable[[], R]) -> R:
         """Run ``fn`` on the worker thread and wait (for tests, bench and start-up)."""
         return self._pool.submit(lambda: self._call(fn)).result()

@@ -191,3 +191,50 @@ async def test_a_burst_of_new_prompts_goes_through_two_stages_as_a_wave(parts, t
     b_calls = [c for c in burst if c[0] == "b"]
     assert len(a_calls) == len(b_calls) > 1, f"the burst went as one batch: {burst}"
     assert b_calls[0][1] < a_calls[-1][2], "the second stage waited for the first to finish every group"
+
+
+async def test_a_wave_that_loses_a_peer_picks_each_session_once(parts):
+    """A group that finished before a sibling lost its peer is replayed with the rest; its
+    sessions' samplers must take their token once (a grammar's matcher would take it twice),
+    and the tokens are one engine's."""
+    engine, n, _ = parts
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 100) for _ in range(70)] for _ in range(4)]
+    whole = engine(Span(0, n), True, True)
+    expected = [whole.run_sync(lambda p=p: generate_greedy(whole, p, 1)) for p in prompts]
+    head = engine(None, True, True)
+    pipeline = Pipeline(lambda: head, wait_s=10)
+    first = LocalRunner(engine(Span(0, SPLIT)))
+
+    def replan() -> None:
+        asyncio.get_running_loop().create_task(
+            pipeline.serve(2, plan(n, b="c"), {"a": first, "c": LocalRunner(engine(Span(SPLIT, n)))}))
+
+    # The third group's call at stage b fails: the first two groups are through by then.
+    lost = Failing(OneAtATime(LocalRunner(engine(Span(SPLIT, n))), "b", []), after=3,
+                   error=PeerLost("b: socket closed"), then=replan)
+    await pipeline.serve(1, plan(n), {"a": OneAtATime(first, "a", []), "b": lost})
+    sessions = [Session(f"s{i}", list(p), len(p), SamplingParams(temperature=0.0, max_tokens=1),
+                        sampler=Sampler(SamplingParams(temperature=0.0))) for i, p in enumerate(prompts)]
+    picks: dict[str, int] = {}
+
+    def pick(s, logits):
+        picks[s.id] = picks.get(s.id, 0) + 1
+        return _pick(s, logits)
+
+    got = await pipeline.step(sessions, pick)
+    assert lost.calls == 3 and pipeline.plan.term == 2 and all(s.term == 2 for s in sessions)
+    assert picks == {s.id: 1 for s in sessions}, f"a session was picked more than once: {picks}"
+    assert [[got[s.id]] for s in sessions] == expected
+
+
+def test_a_wave_has_no_group_under_the_minimum_chunk():
+    """A long prompt's last chunk beside a few decode rows stays one batch (a group of five
+    rows would pay a pass through every stage and a head call of its own); sixteen short
+    prompts make groups of at least MIN_WAVE_CHUNK rows."""
+    from meshd.serving.pipeline import MIN_WAVE_CHUNK, _waves
+    rows = lambda groups: [sum(r for _, _, r in g) for g in groups]  # noqa: E731
+    assert rows(_waves([(None, 0, n) for n in (250, 5, 5, 5, 5)], 2)) == [270]
+    burst = rows(_waves([(None, 0, 20) for _ in range(16)], 2))
+    assert sum(burst) == 320 and len(burst) > 1 and min(burst) >= MIN_WAVE_CHUNK
+    assert rows(_waves([(None, 0, 20) for _ in range(16)], 1)) == [320]

@@ -221,28 +221,38 @@ class Pipeline:
         """The step's rows through the plan, and the head's pick for each session whose last
         token they hold. Many rows over several stages (a burst of new sessions' prompts in
         the first-token lane) go as a wave of session groups, group k+1 at stage A while
-        group k is at stage B (``_waves``); each stage's engine takes them in order."""
+        group k is at stage B (``_waves``); each stage's engine takes them in order.
 
-        async def run(group: list) -> list[tuple[str, int]]:
-            # The sessions whose last token this group runs: the head picks their next one.
+        A wave's groups bring back their logits, and every pick is made once all of them are
+        through: a pick moves its session's sampler (a grammar's matcher takes the token), so
+        a group that finished before a sibling lost a peer must not have picked, or the step's
+        replay would pick for it twice."""
+
+        def finishing(group: list) -> list[tuple[object, int]]:
+            # The sessions whose last token this group runs, and that token's row in it.
             done, rows_at = [], 0
             for s, start, rows in group:
                 rows_at += rows
                 if start + rows == len(s.tokens):
                     done.append((s, rows_at - 1))
-            picked = await self._run(plan, group, engine, [row for _, row in done],
-                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
-            return [(s.id, token) for (s, _), token in zip(done, picked)]
+            return done
 
         groups = _waves(work, len(plan.assignments))
         if len(groups) == 1:
-            return dict(await run(work))
+            done = finishing(work)
+            picked = await self._run(plan, work, engine, [row for _, row in done],
+                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
+            return {s.id: token for (s, _), token in zip(done, picked)}
+        dones = [finishing(group) for group in groups]
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(run(group)) for group in groups]
+                tasks = [tg.create_task(self._run(plan, group, engine, [row for _, row in done], lambda logits: logits))
+                         for group, done in zip(groups, dones)]
         except* Exception as group_error:
             raise _one(group_error) from None
-        return {sid: token for task in tasks for sid, token in task.result()}
+        finished = [(s, lg) for done, task in zip(dones, tasks) if done for (s, _), lg in zip(done, task.result())]
+        picked = await engine.run(lambda: [pick(s, lg) for s, lg in finished])
+        return {s.id: token for (s, _), token in zip(finished, picked)}
 
     async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
                    pick_rows: Callable[[torch.Tensor], list[int]]) -> list[int]:
@@ -297,18 +307,24 @@ class Pipeline:
 def _waves(work: list, stages: int) -> list[list]:
     """``work`` (session, start, rows) cut into groups of whole sessions, in order, of about
     equal rows, for a wave through ``stages`` stages: at most WAVE_CHUNKS_PER_STAGE groups a
-    stage, none under about MIN_WAVE_CHUNK rows; one group where that leaves fewer than two."""
+    stage, none under MIN_WAVE_CHUNK rows (a short last group joins the one before); one
+    group where that leaves fewer than two."""
     total = sum(rows for _, _, rows in work)
     count = min(len(work), total // MIN_WAVE_CHUNK, WAVE_CHUNKS_PER_STAGE * stages) if stages > 1 else 1
     if count < 2:
         return [work]
+    target = max(MIN_WAVE_CHUNK, total / count)
     groups: list[list] = [[]]
-    acc = 0
+    rows_in = 0
     for item in work:
-        if groups[-1] and acc >= total * len(groups) / count:
+        if rows_in >= target:
             groups.append([])
+            rows_in = 0
         groups[-1].append(item)
-        acc += item[2]
+        rows_in += item[2]
+    if len(groups) > 1 and rows_in < MIN_WAVE_CHUNK:
+        last = groups.pop()
+        groups[-1] += last
     return groups
 
 
