@@ -7,6 +7,7 @@ run ``--debug-plaintext-links``; a dialer told (by mDNS) it reaches one node ref
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import socket
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+import torch
 from structlog.testing import capture_logs
 from aiohttp import web
 
@@ -130,3 +132,44 @@ async def test_plaintext_links_need_both_ends_and_a_dialer_checks_who_answers(tm
             with pytest.raises(AuthError, match="relay"):
                 me = LocalIdentity(NodeId("dddd"), "d", "home", SECRET, plaintext=True)
                 await handshake(ws, me, caps(), initiator=True, max_frame=1 << 20, expect=NodeId("eeee"))
+
+
+class SlowSocket:
+    """The sending end of a link's WebSocket whose socket takes a while per piece (a full
+    send buffer); what went out, in order."""
+
+    def __init__(self):
+        self.pieces: list[bytes] = []
+
+    async def send_bytes(self, piece: bytes) -> None:
+        await asyncio.sleep(0.005)
+        self.pieces.append(piece)
+
+
+async def test_a_frame_goes_out_whole_when_its_sender_is_cancelled_mid_way():
+    """A wave's group is cancelled when a sibling fails, maybe between two pieces of its
+    frame. The pieces' nonces are spent at sealing, so half a frame would leave the peer
+    dropping every later piece as forged: the frame goes out whole, and the link goes on."""
+    from meshd.control.peers import Link
+    from meshd.control.secure import Channel
+    from protocol.codec import decode
+    from protocol.messages import ForwardBatch, Ping, Segment, SessionId
+
+    a = LocalIdentity(NodeId("a"), "a", "home", SECRET).noise(initiator=True)
+    b = LocalIdentity(NodeId("b"), "b", "home", SECRET).noise(initiator=False)
+    b.read_message(a.write_message(b""))
+    a.read_message(b.write_message(b""))
+    ws = SlowSocket()
+    link = Link(ws, SimpleNamespace(node_id=NodeId("b")), Channel(a, False, 64 << 20), "127.0.0.1", True, 64 << 20)
+    big = ForwardBatch(1, 1, (Segment(SessionId("s"), 0, 64),), torch.randn(64, 576))  # ~150 KB: ten pieces
+    sender = asyncio.create_task(link.send(big))
+    await until(lambda: len(ws.pieces) >= 2, timeout=5)
+    sender.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sender
+    await link.send(Ping(7, 0.0))
+    receiver = Channel(b, False, 64 << 20)
+    frames = [decode(f) for f in map(receiver.open, ws.pieces) if f is not None]
+    assert receiver.forged == 0 and len(ws.pieces) > 3
+    assert [type(f).__name__ for f in frames] == ["ForwardBatch", "Ping"]
+    assert torch.equal(frames[0].hidden, big.hidden)

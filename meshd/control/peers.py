@@ -114,6 +114,14 @@ class Link:
         data = encode(msg)
         if self._delay[0] > 0:
             await self._delayed()
+        # A frame of several pieces goes out whole even when its sender is cancelled between
+        # two of them (a wave's group, when a sibling fails): the pieces' nonces are spent at
+        # sealing, so half a frame would leave the peer dropping every later piece as forged.
+        frame = asyncio.ensure_future(self._send_frame(data))
+        frame.add_done_callback(_retrieve)
+        await asyncio.shield(frame)
+
+    async def _send_frame(self, data: bytes) -> None:
         try:
             async with self._send_lock:  # sealed in send order: the nonce counter is the order
                 for piece in self.channel.seal(data):
@@ -220,3 +228,10 @@ class Link:
             await asyncio.wait_for(self.ws.close(code=code, message=reason[:120].encode()), 1.0)
         except (TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
             pass  # the other side is gone or hung; the socket is dropped either way
+
+
+def _retrieve(frame: asyncio.Future) -> None:
+    """Mark a shielded send's error seen: its sender may have been cancelled before it came
+    (the link is closed by then, and the next send says so)."""
+    if not frame.cancelled():
+        frame.exception()
