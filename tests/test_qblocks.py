@@ -112,18 +112,22 @@ def test_simd_rounds_an_input_row_to_the_plain_c_codes(k):
 @pytest.mark.parametrize("name", KERNEL)
 def test_a_rows_outputs_are_the_same_bits_alone_and_in_a_batch(name):
     """A decode row (M = 1, which some types run two weight rows at a time) gives the bits
-    it gives inside a decode batch (up to 64 rows, written straight to the output) and inside a
-    prefill's (more rows, through a row-major buffer): what makes batched generation equal
-    plain. An odd row count leaves a last weight row on its own."""
+    it gives inside a decode batch and inside a prefill's: what makes batched generation equal
+    plain. An odd row count leaves a last weight row on its own. A wide linear's decode batch
+    (a head's: up to 64 rows, each run of 64 weight rows' outputs written straight to the
+    output) gives the bits of the same rows inside a prefill (through a row-major buffer)."""
     _, rec, ref, raw = _tensor(name)
     n = ref.shape[0] - 1 if ref.shape[0] % 2 == 0 else ref.shape[0]
     x = torch.randn(70, ref.shape[1], generator=torch.Generator().manual_seed(5))
     lib = qblocks.library()
-    prefill = qblocks.matmul(lib, raw[:n], rec.source, x, n)
     batch = qblocks.matmul(lib, raw[:n], rec.source, x[:6].clone(), n)
-    assert torch.equal(batch, prefill[:6])
     for m in (0, 5):
         assert torch.equal(qblocks.matmul(lib, raw[:n], rec.source, x[m:m + 1].clone(), n), batch[m:m + 1])
+    wide = 4100  # 64 input rows x 4100 >= 2^18 outputs: the direct path; not a whole number of 64-row runs
+    blocks = raw.repeat(-(-wide // raw.shape[0]), 1)[:wide].contiguous()
+    prefill = qblocks.matmul(lib, blocks, rec.source, x, wide)
+    assert torch.equal(qblocks.matmul(lib, blocks, rec.source, x[:64].clone(), wide), prefill[:64])
+    assert torch.equal(qblocks.matmul(lib, blocks, rec.source, x[63:64].clone(), wide), prefill[63:64])
 
 
 @needs_cc
