@@ -160,25 +160,32 @@ class OneAtATime:
         await self.inner.drop(term, session)
 
 
-async def test_a_burst_of_new_prompts_goes_through_two_stages_as_a_wave(parts, tiny_model_dir):
+def burst(engine, n: int, seed: int, tokens: int) -> tuple[list[Session], list[list[int]]]:
+    """Four new sessions of 70-token prompts (a wave of four groups over two stages), greedy
+    for ``tokens``, and the tokens one engine of the whole model gives each."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 100) for _ in range(70)] for _ in range(4)]
+    whole = engine(Span(0, n), True, True)
+    expected = [whole.run_sync(lambda p=p: generate_greedy(whole, p, tokens)) for p in prompts]
+    sessions = [Session(f"s{i}", list(p), len(p), SamplingParams(temperature=0.0, max_tokens=tokens),
+                        sampler=Sampler(SamplingParams(temperature=0.0))) for i, p in enumerate(prompts)]
+    return sessions, expected
+
+
+async def test_a_burst_of_new_prompts_goes_through_two_stages_as_a_wave(parts):
     """Streams arriving at once put their prompts in one step (the first-token lane's): over
     two stages it is cut into groups of sessions, the second stage working on one while the
     first runs the next (the burst's time to first token falls), and every session gets one
     engine's tokens."""
     engine, n, _ = parts
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 100) for _ in range(70)] for _ in range(4)]
-    whole = engine(Span(0, n), True, True)
-    expected = [whole.run_sync(lambda p=p: generate_greedy(whole, p, 3)) for p in prompts]
+    sessions, expected = burst(engine, n, 7, 3)
     head = engine(None, True, True)
     pipeline = Pipeline(lambda: head)
     calls: list = []
     await pipeline.serve(1, plan(n), {"a": OneAtATime(LocalRunner(engine(Span(0, SPLIT))), "a", calls),
                                       "b": OneAtATime(LocalRunner(engine(Span(SPLIT, n))), "b", calls)})
-    sessions = [Session(f"s{i}", list(p), len(p), SamplingParams(temperature=0.0, max_tokens=3),
-                        sampler=Sampler(SamplingParams(temperature=0.0))) for i, p in enumerate(prompts)]
     first = await pipeline.step(sessions, _pick)
-    burst = list(calls)
+    wave = list(calls)
     while any(len(s.generated) < 3 for s in sessions):
         for s in sessions:
             if (token := first.get(s.id)) is not None:
@@ -187,9 +194,9 @@ async def test_a_burst_of_new_prompts_goes_through_two_stages_as_a_wave(parts, t
             break
         first = await pipeline.step(sessions, _pick)
     assert [s.generated for s in sessions] == expected
-    a_calls = [c for c in burst if c[0] == "a"]
-    b_calls = [c for c in burst if c[0] == "b"]
-    assert len(a_calls) == len(b_calls) > 1, f"the burst went as one batch: {burst}"
+    a_calls = [c for c in wave if c[0] == "a"]
+    b_calls = [c for c in wave if c[0] == "b"]
+    assert len(a_calls) == len(b_calls) > 1, f"the burst went as one batch: {wave}"
     assert b_calls[0][1] < a_calls[-1][2], "the second stage waited for the first to finish every group"
 
 
@@ -198,10 +205,7 @@ async def test_a_wave_that_loses_a_peer_picks_each_session_once(parts):
     sessions' samplers must take their token once (a grammar's matcher would take it twice),
     and the tokens are one engine's."""
     engine, n, _ = parts
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 100) for _ in range(70)] for _ in range(4)]
-    whole = engine(Span(0, n), True, True)
-    expected = [whole.run_sync(lambda p=p: generate_greedy(whole, p, 1)) for p in prompts]
+    sessions, expected = burst(engine, n, 11, 1)
     head = engine(None, True, True)
     pipeline = Pipeline(lambda: head, wait_s=10)
     first = LocalRunner(engine(Span(0, SPLIT)))
@@ -214,8 +218,6 @@ async def test_a_wave_that_loses_a_peer_picks_each_session_once(parts):
     lost = Failing(OneAtATime(LocalRunner(engine(Span(SPLIT, n))), "b", []), after=3,
                    error=PeerLost("b: socket closed"), then=replan)
     await pipeline.serve(1, plan(n), {"a": OneAtATime(first, "a", []), "b": lost})
-    sessions = [Session(f"s{i}", list(p), len(p), SamplingParams(temperature=0.0, max_tokens=1),
-                        sampler=Sampler(SamplingParams(temperature=0.0))) for i, p in enumerate(prompts)]
     picks: dict[str, int] = {}
 
     def pick(s, logits):
@@ -235,6 +237,6 @@ def test_a_wave_has_no_group_under_the_minimum_chunk():
     from meshd.serving.pipeline import MIN_WAVE_CHUNK, _waves
     rows = lambda groups: [sum(r for _, _, r in g) for g in groups]  # noqa: E731
     assert rows(_waves([(None, 0, n) for n in (250, 5, 5, 5, 5)], 2)) == [270]
-    burst = rows(_waves([(None, 0, 20) for _ in range(16)], 2))
-    assert sum(burst) == 320 and len(burst) > 1 and min(burst) >= MIN_WAVE_CHUNK
+    sizes = rows(_waves([(None, 0, 20) for _ in range(16)], 2))
+    assert sum(sizes) == 320 and len(sizes) > 1 and min(sizes) >= MIN_WAVE_CHUNK
     assert rows(_waves([(None, 0, 20) for _ in range(16)], 1)) == [320]
