@@ -21,9 +21,11 @@ from aiohttp import web
 
 from meshd.control.links import LinkKeeper
 from meshd.control.mesh import MeshView
-from meshd.control.secure import LocalIdentity, handshake
+from meshd.control.peers import Link
+from meshd.control.secure import Channel, LocalIdentity, handshake
 from meshd.errors import AuthError
-from protocol.messages import NodeId
+from protocol.codec import decode
+from protocol.messages import ForwardBatch, NodeId, Ping, Segment, SessionId
 from tests.inproc import Tasks, caps, config, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,11 +152,6 @@ async def test_a_frame_goes_out_whole_when_its_sender_is_cancelled_mid_way():
     """A wave's group is cancelled when a sibling fails, maybe between two pieces of its
     frame. The pieces' nonces are spent at sealing, so half a frame would leave the peer
     dropping every later piece as forged: the frame goes out whole, and the link goes on."""
-    from meshd.control.peers import Link
-    from meshd.control.secure import Channel
-    from protocol.codec import decode
-    from protocol.messages import ForwardBatch, Ping, Segment, SessionId
-
     a = LocalIdentity(NodeId("a"), "a", "home", SECRET).noise(initiator=True)
     b = LocalIdentity(NodeId("b"), "b", "home", SECRET).noise(initiator=False)
     b.read_message(a.write_message(b""))

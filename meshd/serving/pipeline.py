@@ -173,12 +173,7 @@ class Pipeline:
         long = [(s, start) for s, start, _ in work if len(s.tokens) - start > PREFILL_CHUNK]
         if not long:
             return work
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for s, start in long:
-                    tg.create_task(self._wavefront(plan, s, start, len(s.tokens) - 1))
-        except* Exception as group:
-            raise _one(group) from None
+        await _together(self._wavefront(plan, s, start, len(s.tokens) - 1) for s, start in long)
         done = {s.id for s, _ in long}
         return [(s, len(s.tokens) - 1, 1) if s.id in done else (s, start, rows) for s, start, rows in work]
 
@@ -207,12 +202,7 @@ class Pipeline:
                 hidden = await runner.forward_batch(plan.term, [Segment(s.kv, a, b - a)], hidden)
                 left[i][j].set()
 
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for i, (a, b) in enumerate(chunks):
-                    tg.create_task(chunk(i, a, b))
-        except* Exception as group:
-            raise _one(group) from None
+        await _together(chunk(i, a, b) for i, (a, b) in enumerate(chunks))
         log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
                  stages=len(runners))
 
@@ -244,13 +234,9 @@ class Pipeline:
                                      lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
             return {s.id: token for (s, _), token in zip(done, picked)}
         dones = [finishing(group) for group in groups]
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._run(plan, group, engine, [row for _, row in done], lambda logits: logits))
-                         for group, done in zip(groups, dones)]
-        except* Exception as group_error:
-            raise _one(group_error) from None
-        finished = [(s, lg) for done, task in zip(dones, tasks) if done for (s, _), lg in zip(done, task.result())]
+        logits = await _together(self._run(plan, group, engine, [row for _, row in done], lambda lg: lg)
+                                 for group, done in zip(groups, dones))
+        finished = [(s, lg) for done, rows in zip(dones, logits) if done for (s, _), lg in zip(done, rows)]
         picked = await engine.run(lambda: [pick(s, lg) for s, lg in finished])
         return {s.id: token for (s, _), token in zip(finished, picked)}
 
@@ -313,7 +299,7 @@ def _waves(work: list, stages: int) -> list[list]:
     count = min(len(work), total // MIN_WAVE_CHUNK, WAVE_CHUNKS_PER_STAGE * stages) if stages > 1 else 1
     if count < 2:
         return [work]
-    target = max(MIN_WAVE_CHUNK, total / count)
+    target = total / count  # at least MIN_WAVE_CHUNK: count <= total // MIN_WAVE_CHUNK
     groups: list[list] = [[]]
     rows_in = 0
     for item in work:
@@ -326,6 +312,17 @@ def _waves(work: list, stages: int) -> list[list]:
         last = groups.pop()
         groups[-1] += last
     return groups
+
+
+async def _together(coros) -> list:
+    """``coros`` run as sibling tasks, their results in order; where any fails, the others
+    are cancelled and the error is the one a plain step would have raised (``_one``)."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(coro) for coro in coros]
+    except* Exception as group:
+        raise _one(group) from None
+    return [task.result() for task in tasks]
 
 
 def _one(group: BaseExceptionGroup) -> BaseException:
