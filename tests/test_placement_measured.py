@@ -20,6 +20,7 @@ from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Co
                                      rebalanced, stage_ms)
 from protocol.messages import Assignment, Capabilities, Measured, NodeId
 from shards.span import Span
+from shards.wire import to_wire
 
 MODEL = "smollm2-135m"
 GiB = 2**30
@@ -155,7 +156,7 @@ def test_the_urgent_flag_travels_and_an_older_frame_reads_as_not_urgent():
     from protocol.codec import decode, encode
     from protocol.messages import ForwardBatch, Segment
 
-    fb = ForwardBatch(1, 7, (Segment("s", 0, 2),), torch.zeros(2, 4), urgent=1)
+    fb = ForwardBatch(1, 7, (Segment("s", 0, 2),), to_wire(torch.zeros(2, 4)), urgent=1)
     assert decode(encode(fb)).urgent == 1
     frame = msgpack.unpackb(encode(fb))
     del frame["urgent"]
