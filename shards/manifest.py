@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from protocol.names import MAX_NAME, is_plain_name
+from protocol.names import is_plain_name
 from shards.errors import ModelError, ShardCorrupt, ShardMissing
 from shards.config import ModelConfig
 from shards.span import Span

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import socket
 from types import SimpleNamespace
 
 import aiohttp
@@ -27,16 +26,11 @@ from meshd.errors import AuthError
 from protocol.codec import decode
 from protocol.messages import ForwardBatch, NodeId, Ping, Segment, SessionId
 from shards.wire import from_wire, to_wire
+from tests.fixtures.shared import free_port
 from tests.inproc import Tasks, caps, config, until
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = secrets.token_hex(32).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

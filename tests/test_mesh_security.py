@@ -36,7 +36,7 @@ from tests.fixtures.mesh import GiB, MAX_TOKENS, PROMPT
 from tests.meshlab import complete
 from tests.sealed import sealed_peer
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("tiny_mesh")]  # one four-daemon mesh for all three
 
 WATCH_S = 4.0  # how long, after the refusals are logged, the views must stay clean
 
