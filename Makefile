@@ -41,7 +41,7 @@ test: model gemma
 
 # Re-measure how long each test group takes (the order workers take them in).
 durations: model gemma
-	MESHD_RECORD_DURATIONS=$(CURDIR)/tests/durations.json $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+	PYTEST_MESHD_DURATIONS=$(CURDIR)/tests/durations.json $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
 		--dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: model

@@ -139,6 +139,7 @@ def _one_node(model_dir: Path, prompt: str, n: int) -> list[int]:
 
 
 @pytest.mark.netns
+@pytest.mark.xdist_group("gemma-mesh")  # needs none of the module's references: a worker of its own
 def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     """Placement, transfer and the pipeline need nothing per family: Gemma's spans over three
     namespaced peers (two fetching theirs) answer token for token what one node answers."""
