@@ -5,12 +5,15 @@ BIN     := $(VENV)/bin
 STATE   ?= $(CURDIR)/state
 # The CPU build of torch is pinned first, so nothing pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
+# The suite runs in several workers (tests/fixtures/workers.py): most of its time is waiting on
+# daemons, namespaces and timeouts, not the two cores. PYTEST_ARGS adds to it (e.g. -k mesh).
+TEST_WORKERS ?= 6
 PYTEST_ARGS ?=
 
 export MESHD_STATE_DIR := $(STATE)
 export MESHD_TEST_MODEL_DIR := $(STATE)/models/smollm2-135m
 
-.PHONY: run test bootstrap model gemma bench clean
+.PHONY: run test durations bootstrap model gemma bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +37,12 @@ run: model
 	$(BIN)/meshd demo --peers 3 --state-dir "$(STATE)"
 
 test: model gemma
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=5 $(PYTEST_ARGS)
+
+# Re-measure how long each test group takes (the order workers take them in).
+durations: model gemma
+	PYTEST_MESHD_DURATIONS=$(CURDIR)/tests/durations.json $(BIN)/python -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: model
 	$(BIN)/python -m pip install -q -e ".[test,bench]"

@@ -150,11 +150,12 @@ def codec_sizes(hidden: int = 576) -> dict[str, int]:
 
     from protocol.codec import encode
     from protocol.messages import ForwardBatch, ResultBatch, Segment
+    from shards.wire import to_wire
 
     sid = "0123456789abcdef"  # a session id as the scheduler makes them (8 random bytes, hex)
     x = torch.zeros(1, hidden, dtype=torch.float32)
-    sizes = {"ForwardBatch": len(encode(ForwardBatch(7, 1000, (Segment(sid, 100, 1),), x))),
-             "ResultBatch": len(encode(ResultBatch(7, 1000, x)))}
+    sizes = {"ForwardBatch": len(encode(ForwardBatch(7, 1000, (Segment(sid, 100, 1),), to_wire(x)))),
+             "ResultBatch": len(encode(ResultBatch(7, 1000, to_wire(x))))}
     return sizes
 
 

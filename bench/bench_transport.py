@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from bench_mesh import PROMPT, decode_rate, new_lab, start, stream_timed  # noqa: E402
 from meshd.control.secure import Channel, LocalIdentity  # noqa: E402
+from shards.wire import from_wire, to_wire  # noqa: E402
 from protocol.codec import decode, encode  # noqa: E402
 from protocol.messages import ForwardBatch, NodeId, Segment, SessionId  # noqa: E402
 from tests.meshlab import MeshLab, complete  # noqa: E402
@@ -54,7 +55,7 @@ def channel_pair(max_frame: int = 64 << 20) -> tuple[Channel, Channel]:
 def frame_of(rows: int, hidden: int, dtype: torch.dtype) -> ForwardBatch:
     segments = tuple(Segment(SessionId(f"s{i}"), 100, 1) for i in range(rows)) if rows <= 8 else \
         (Segment(SessionId("s0"), 0, rows),)
-    return ForwardBatch(1, 1, segments, torch.randn(rows, hidden).to(dtype))
+    return ForwardBatch(1, 1, segments, to_wire(torch.randn(rows, hidden).to(dtype)))
 
 
 def per_frame_us(msg: ForwardBatch, repeat: int) -> tuple[float, float, int, int]:
@@ -65,13 +66,13 @@ def per_frame_us(msg: ForwardBatch, repeat: int) -> tuple[float, float, int, int
     for _ in range(repeat):
         t0 = time.perf_counter()
         data = encode(msg)
-        decode(data)
+        from_wire(decode(data).hidden)
         t1 = time.perf_counter()
         data = encode(msg)
         pieces = send.seal(data)
         for p in pieces:
             out = recv.open(p)
-        decode(out)
+        from_wire(decode(out).hidden)
         t2 = time.perf_counter()
         plain.append(t1 - t0)
         sealed.append(t2 - t1)

@@ -1,11 +1,12 @@
 """The error hierarchy. Caught in three places only: the link read loop,
 the HTTP handler, and the pipeline's retry loop.
 
-The model side (shards/) has its own base, ``ShardsError``; its model and
-shard errors are re-exported here, one class each, so ``except ModelError``
-means the same in both. ``KNOWN_ERRORS`` is what a catch site names when it
+The model side (shards/) has its own base, ``ShardsError``, and the wire (protocol/)
+its ``ProtocolError``; they are re-exported here, one class each, so ``except
+ModelError`` means the same in both. ``KNOWN_ERRORS`` is what a catch site names when it
 takes any error raised on purpose, by meshd or by the model side."""
 
+from protocol.errors import ProtocolError
 from shards.errors import InvalidParams, ModelError, ShardCorrupt, ShardMissing, ShardsError
 
 __all__ = [
@@ -21,10 +22,6 @@ class MeshError(Exception):
 
 class ConfigError(MeshError):
     """A bad configuration value; the message names the key."""
-
-
-class ProtocolError(MeshError):
-    """A malformed, oversize or out-of-order frame; closes that one link."""
 
 
 class AuthError(ProtocolError):
@@ -67,4 +64,4 @@ class StorageFull(MeshError):
     """The state disk, or the batch store's configured bound, has no room (HTTP 507)."""
 
 
-KNOWN_ERRORS = (MeshError, ShardsError)
+KNOWN_ERRORS = (MeshError, ShardsError, ProtocolError)

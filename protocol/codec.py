@@ -11,7 +11,8 @@ a type cannot say (a segment has rows, a batch's rows are its hidden's) are in
 it: integers by their field's ``max`` (terms by ``MAX_TERM``), ids and model names as
 plain names (a model name becomes a directory: ``../x`` is refused), digests as
 sha256 hex, spans within ``MAX_LAYERS``, floats finite. Spans travel as ``[start, stop]``, enums as ints, tensors as
-``{dtype, shape, data}`` through ``pack_tensor`` / ``unpack_tensor``. The codec checks shape, not meaning: whether
+``{dtype, shape, data}`` through ``pack_tensor`` / ``unpack_tensor`` (a ``WireTensor`` whose bytes agree with its
+dtype and shape; ``shards.wire`` makes torch tensors of them, so this layer imports no torch). The codec checks shape, not meaning: whether
 a plan covers the model is ``meshd.control.placement.validate``'s job, and whether a
 Hello's version is ours is the handshake's.
 """
@@ -25,14 +26,11 @@ from functools import cache
 from typing import Any, Callable, get_args, get_origin, get_type_hints
 
 import msgpack
-import torch
 
-from meshd.errors import ProtocolError
-from shards.manifest import is_plain_name
-from shards.span import Span
-
+from .errors import ProtocolError
 from .messages import (
     MESSAGE_TYPES,
+    WIRE_DTYPES,
     Capabilities,
     Digest,
     ForwardBatch,
@@ -42,7 +40,10 @@ from .messages import (
     NodeId,
     Segment,
     SessionId,
+    WireTensor,
 )
+from .names import is_plain_name
+from .span import Span
 
 DEFAULT_MAX_FRAME = 64 * 2**20  # a 2048x4096 fp16 prefill chunk is 16 MiB
 MAX_NDIM = 8
@@ -56,54 +57,26 @@ MAX_LAYERS = 1 << 16  # span ends
 MAX_LAYER_MS = 1e6
 _HEX = frozenset("0123456789abcdef")
 
-# Allowed tensor dtypes by wire name. bfloat16 has no numpy type; it travels
-# as raw 2-byte words, which torch.frombuffer reads back bit for bit. Byte
-# order is little-endian, as on every host torch runs on.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-_WIRE_NAME = {dtype: name for name, dtype in DTYPES.items()}
+DTYPES = WIRE_DTYPES  # allowed tensor dtypes by wire name -> bytes per element
 
 
 # -- tensors ---------------------------------------------------------------------
 
 
-def pack_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """``{dtype, shape, data}`` for a tensor on any device.
-
-    At most one copy before msgpack's own: a gather into contiguous memory on
-    the tensor's device, or the device-to-host transfer (never both for a
-    contiguous CUDA tensor). ``data`` is a memoryview over that memory.
-    """
-    name = _WIRE_NAME.get(t.dtype)
-    if name is None:
-        raise TypeError(f"cannot send dtype {t.dtype}; allowed: {', '.join(DTYPES)}")
-    if t.device.type == "cpu" and t.dtype != torch.bfloat16 and t.numel() and t.dim() and t.is_contiguous():
-        # A hidden state as an engine hands it over: its own memory as it is, with fewer
-        # torch calls (each costs the event loop more than the bytes do).
-        return {"dtype": name, "shape": list(t.shape), "data": memoryview(t.detach().numpy()).cast("B")}
-    host = t.detach().contiguous().cpu()
-    data = memoryview(host.reshape(-1).view(torch.uint8).numpy())
-    return {"dtype": name, "shape": list(host.shape), "data": data}
+def pack_tensor(t: WireTensor) -> dict[str, Any]:
+    """``{dtype, shape, data}``: the map a tensor travels as (``data`` as it is, no copy)."""
+    return {"dtype": t.dtype, "shape": list(t.shape), "data": t.data}
 
 
-def unpack_tensor(d: object, max_elements: int = DEFAULT_MAX_FRAME) -> torch.Tensor:
-    """The tensor a ``pack_tensor`` dict describes, checked before any allocation.
-
-    The result owns its memory (copied once from ``data``), so it is safe to
-    write to and does not pin the frame.
-    """
+def unpack_tensor(d: object, max_elements: int = DEFAULT_MAX_FRAME) -> WireTensor:
+    """The tensor a ``pack_tensor`` map describes, checked: an allowed dtype, at most
+    ``MAX_NDIM`` sizes of at most ``max_elements`` elements in all, and exactly the bytes
+    they need."""
     if not isinstance(d, dict):
         raise ProtocolError(f"tensor must be a map, got {type(d).__name__}")
     name, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None:
+    itemsize = DTYPES.get(name) if isinstance(name, str) else None
+    if itemsize is None:
         raise ProtocolError(f"tensor dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}")
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
         raise ProtocolError(f"tensor shape must be a list of at most {MAX_NDIM} sizes")
@@ -114,12 +87,10 @@ def unpack_tensor(d: object, max_elements: int = DEFAULT_MAX_FRAME) -> torch.Ten
         raise ProtocolError(f"tensor of {count} elements exceeds {max_elements}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"tensor data must be bytes, got {type(data).__name__}")
-    want = count * dtype.itemsize
+    want = count * itemsize
     if len(data) != want:
         raise ProtocolError(f"tensor data is {len(data)} bytes, {name}{shape} needs {want}")
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return WireTensor(name, tuple(shape), data)
 
 
 # -- encode ----------------------------------------------------------------------
@@ -152,7 +123,7 @@ def _field_writers(cls: type) -> tuple[tuple[str, Writer | None], ...]:
 
 
 def _value_writer(hint: Any) -> Writer | None:
-    if hint is torch.Tensor:
+    if hint is WireTensor:
         return pack_tensor
     if hint is Span:
         return Span.to_list
@@ -246,7 +217,7 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
     if hint is Digest:
         return _Fields.as_digest
     simple = {float: _Fields.as_float, str: _Fields.as_str, bytes: _Fields.as_bytes, Span: _Fields.as_span,
-              torch.Tensor: _Fields.as_tensor}
+              WireTensor: _Fields.as_tensor}
     if hint in simple:
         return simple[hint]
     if isinstance(hint, type) and issubclass(hint, IntEnum):
@@ -268,8 +239,8 @@ def _check_segment(s: Segment, f: _Fields) -> None:
 
 def _check_batch(batch: ForwardBatch, f: _Fields) -> None:
     rows = sum(s.rows for s in batch.segments)
-    if batch.hidden.dim() != 2 or batch.hidden.shape[0] != rows:
-        raise ProtocolError(f"fwdb: hidden {tuple(batch.hidden.shape)} does not hold the {rows} rows "
+    if len(batch.hidden.shape) != 2 or batch.hidden.shape[0] != rows:
+        raise ProtocolError(f"fwdb: hidden {batch.hidden.shape} does not hold the {rows} rows "
                             "its segments name")
 
 
@@ -415,7 +386,7 @@ class _Fields:
             raise ProtocolError(f"{self.where}: span {span} ends past {MAX_LAYERS} layers")
         return span
 
-    def as_tensor(self) -> torch.Tensor:
+    def as_tensor(self) -> WireTensor:
         try:
             return unpack_tensor(self.frame, max_elements=self.max_size)
         except ProtocolError as e:

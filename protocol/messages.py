@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar, NewType
 
-import torch
-
-from shards.span import Span
+from .span import Span
 
 NodeId = NewType("NodeId", str)
 SessionId = NewType("SessionId", str)
@@ -36,6 +34,23 @@ MAX_POSITION = 2**31  # a session position (a segment's start)
 
 
 # -- nested structures (not frames of their own) ---------------------------------
+
+
+# A tensor's element type by wire name, and its size in bytes. bfloat16 travels as raw
+# 2-byte words; byte order is little-endian, as on every host torch runs on.
+WIRE_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
+                               "uint8": 1}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WireTensor:
+    """A tensor as it travels: its dtype's wire name, its shape, and its elements' bytes in
+    row-major order. The codec checks that the three agree; the side that owns tensors turns
+    one into a tensor and back (``shards.wire``), so this layer needs no torch."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +209,7 @@ class ForwardBatch:
     term: int = field(metadata=TERM)
     req: int  # request number, echoed in ResultBatch / Fail
     segments: tuple[Segment, ...]
-    hidden: torch.Tensor  # [sum(rows), H]
+    hidden: WireTensor  # [sum(rows), H]
     # 1: a step that gives new sessions their first token; the stage runs it before the
     # decode batches queued there (an older peer ignores it and runs it in turn).
     urgent: int = field(default=0, metadata={"max": 1})
@@ -205,7 +220,7 @@ class ResultBatch:
     tag: ClassVar[str] = "resb"
     term: int = field(metadata=TERM)
     req: int
-    hidden: torch.Tensor  # [sum(rows), H], same row order
+    hidden: WireTensor  # [sum(rows), H], same row order
 
 
 @dataclass(frozen=True, slots=True)

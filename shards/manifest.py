@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from protocol.names import is_plain_name
 from shards.errors import ModelError, ShardCorrupt, ShardMissing
 from shards.config import ModelConfig
 from shards.span import Span
@@ -47,17 +48,6 @@ def check_file_name(name: str) -> str:
             or (os.altsep is not None and os.altsep in name)):
         raise ModelError(f"manifest file name {name!r} points outside the model directory")
     return name
-
-
-MAX_NAME = 128
-
-
-def is_plain_name(name: object) -> bool:
-    """A model's name as it may come from a peer or a client: one path component that
-    names something inside its parent (no separators, no ``.``/``..``, no hidden
-    names, no control characters), so ``models/<name>`` stays inside ``models/``."""
-    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME and not name.startswith(".")
-            and not any(c in name for c in "/\\") and name.isprintable())
 
 
 def check_model_name(name: object) -> str:

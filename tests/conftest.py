@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.mesh",
     "tests.fixtures.api",
     "tests.fixtures.families",
+    "tests.fixtures.workers",
 ]

@@ -25,10 +25,13 @@ import time
 from dataclasses import dataclass, field
 from functools import cache
 
+from tests.fixtures.shared import worker_count, worker_index
+
 BASE = "mt"
 NET = ipaddress.ip_network("198.18.0.0/15")
 _SUBNETS = list(NET.subnets(new_prefix=24))
 _counter = itertools.count()
+_taken: set[ipaddress.IPv4Network] = set()  # subnets of this process's open labs
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -165,12 +168,18 @@ class Lab:
             raise
 
     def _free_subnet(self) -> ipaddress.IPv4Network:
-        """A /24 derived from the prefix, skipping any the root namespace already routes."""
+        """A /24 derived from the prefix, skipping any the root namespace already routes or
+        another lab of this process holds. Parallel test workers draw from disjoint shares of
+        the range (worker k of n: every n-th /24 from k), so two labs made at the same moment
+        in two workers never pick the same one before either has routed it."""
         routes = _ip("-4", "route", "show", "table", "all", check=False).stdout
+        k, n = worker_index(), worker_count()
+        share = _SUBNETS[k::n]
         start = sum(map(ord, self.prefix)) * 7 + os.getpid()
-        for i in range(len(_SUBNETS)):
-            net = _SUBNETS[(start + i) % len(_SUBNETS)]
-            if str(net.network_address).rsplit(".", 1)[0] + "." not in routes:
+        for i in range(len(share)):
+            net = share[(start + i) % len(share)]
+            if net not in _taken and str(net.network_address).rsplit(".", 1)[0] + "." not in routes:
+                _taken.add(net)
                 return net
         raise RuntimeError("no free /24 left in 198.18.0.0/15")
 
@@ -228,6 +237,7 @@ class Lab:
         if self._uplink is not None:
             _ip("link", "delete", self._uplink, check=False)  # gone with its peer already
             self._uplink = None
+        _taken.discard(self.subnet)
 
     def __enter__(self) -> Lab:
         return self

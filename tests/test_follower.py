@@ -38,6 +38,7 @@ from protocol.messages import (
 from shards.engine import StageEngine
 from shards.manifest import Manifest
 from shards.span import Span
+from shards.wire import from_wire, to_wire
 from tests.inproc import FakeLink, GiB, Tasks, caps, config, store_for, view_with
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,7 +86,7 @@ async def test_a_plan_from_its_supernode_is_loaded_accepted_and_followed_on_comm
 
     # Its span answers what the engine run directly answers.
     hidden = torch.randn(5, m.config.hidden_size)
-    await peer.follower.serve_forward(peer.sup, ForwardBatch(3, 7, (Segment(SessionId("s"), 0, 5),), hidden))
+    await peer.follower.serve_forward(peer.sup, ForwardBatch(3, 7, (Segment(SessionId("s"), 0, 5),), to_wire(hidden)))
     (reply,) = peer.sup.of(ResultBatch)
     direct = await asyncio.to_thread(StageEngine.load, peer.store.model_dir,
                                      Span(2, n), False, False, "cpu", "float32")
@@ -93,7 +94,7 @@ async def test_a_plan_from_its_supernode_is_loaded_accepted_and_followed_on_comm
         want = await direct.forward_batch([("s", 0, 5)], hidden)
     finally:
         direct.close()
-    assert reply.req == 7 and torch.equal(reply.hidden, want)
+    assert reply.req == 7 and torch.equal(from_wire(reply.hidden), want)
 
 
 async def test_plans_it_must_not_follow_are_rejected_with_the_code_to_act_on(peer):
@@ -126,7 +127,7 @@ async def test_a_commit_or_a_frame_of_another_term_changes_nothing(peer):
     hidden = torch.randn(1, m.config.hidden_size)
     for term in (2, 4):
         await peer.follower.serve_forward(peer.sup, ForwardBatch(term, term, (Segment(SessionId("s"), 0, 1),),
-                                                                 hidden))
+                                                                 to_wire(hidden)))
     assert [(f.term, f.req) for f in peer.sup.of(Fail)] == [(2, 2), (4, 4)]
     assert not peer.sup.of(ResultBatch) and peer.store.engine.sessions == 0
 
@@ -154,5 +155,5 @@ async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
     p = Plan(1, NodeId("sup"), "m", "0" * 64, (Assignment(NodeId("me"), Span(0, n)),))
     follower = Follower(SimpleNamespace(debug_layer_delay_ms=0.0), SimpleNamespace(plan=p),
                         SimpleNamespace(engine=engine), authority=None, spawn=None)
-    await follower.serve_forward(link, ForwardBatch(1, 7, tuple(segments), hidden))
+    await follower.serve_forward(link, ForwardBatch(1, 7, tuple(segments), to_wire(hidden)))
     assert len(sent) == 1 and isinstance(sent[0], Fail) and "closed" in sent[0].reason, sent

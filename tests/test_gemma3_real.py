@@ -9,7 +9,6 @@ mesh of the fetched (quantized) model that answers what one node answers.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
+from tests.fixtures.shared import state_dir, state_lock
 from tests.meshlab import complete
 
 transformers = pytest.importorskip("transformers")
@@ -31,15 +31,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time,
 TOKENS = 32
 
 
-def _state_dir() -> Path:
-    return Path(os.environ.get("MESHD_STATE_DIR") or Path.home() / ".cache" / "meshd-test")
-
-
 @pytest.fixture(scope="session")
 def gemma_dir() -> Path:
     """``meshd model fetch gemma3-270m`` into the state dir (a check only once fetched)."""
-    done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "fetch", "gemma3-270m", "--state-dir",
-                           str(_state_dir())], capture_output=True, text=True, timeout=1800)
+    with state_lock("gemma3-270m"):
+        done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "fetch", "gemma3-270m",
+                               "--state-dir", str(state_dir())], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     path = Path(done.stdout.strip().splitlines()[-1])
     assert (path / "manifest.json").is_file()
@@ -48,7 +45,7 @@ def gemma_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_gguf(gemma_dir) -> Path:
-    return _state_dir() / "cache" / GGUF_NAME
+    return state_dir() / "cache" / GGUF_NAME
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +53,10 @@ def gemma_fp32_dir(gemma_dir, gemma_gguf) -> Path:
     """The same file expanded to float32 beside it (converted once, in a process of its own:
     the 262144 x 640 embedding alone is 671 MB in float32)."""
     out = gemma_dir.parent / "gemma3-270m-float32"
-    done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "convert", str(gemma_gguf), "--out", str(out),
-                           "--dtype", "float32", "--name", out.name], capture_output=True, text=True, timeout=1800)
+    with state_lock(out.name):
+        done = subprocess.run([sys.executable, "-m", "meshd.tools.cli", "model", "convert", str(gemma_gguf), "--out",
+                               str(out), "--dtype", "float32", "--name", out.name],
+                              capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -140,6 +139,7 @@ def _one_node(model_dir: Path, prompt: str, n: int) -> list[int]:
 
 
 @pytest.mark.netns
+@pytest.mark.xdist_group("gemma-mesh")  # needs none of the module's references: a worker of its own
 def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     """Placement, transfer and the pipeline need nothing per family: Gemma's spans over three
     namespaced peers (two fetching theirs) answer token for token what one node answers."""

@@ -1,12 +1,15 @@
 """The architecture the file tree shows, checked on the imports themselves: every
 import statement of meshd/, shards/ and protocol/ (read with ast, so the ones inside
-functions and under ``if TYPE_CHECKING:`` count too) forms no circle; shards/ imports
-nothing of meshd; only the entry points import the node; the control plane imports
+functions and under ``if TYPE_CHECKING:`` count too) forms no circle; protocol/, the wire
+format, is the lowest layer and imports nothing of meshd or shards (nor torch); shards/
+imports nothing of meshd; only the entry points import the node; the control plane imports
 nothing of the serving side or the tools, and the serving side nothing of the tools."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,7 +120,7 @@ def group(module: str) -> str:
 
 @pytest.mark.parametrize("importer, forbidden", [
     ("shards", {"meshd", "meshd.control", "meshd.serving", "meshd.tools"}),
-    ("protocol", {"meshd.control", "meshd.serving", "meshd.tools"}),
+    ("protocol", {"meshd", "meshd.control", "meshd.serving", "meshd.tools", "shards"}),
     ("meshd.control", {"meshd.serving", "meshd.tools"}),
     ("meshd.serving", {"meshd.tools"}),
 ])
@@ -130,3 +133,14 @@ def test_layers(importer, forbidden):
 def test_only_entry_points_import_the_node():
     importers = {m for m, targets in GRAPH.items() if "meshd.node" in targets}
     assert importers <= ENTRY_POINTS, sorted(importers - ENTRY_POINTS)
+
+
+def test_the_wire_format_imports_without_torch_or_the_rest_of_meshd():
+    """protocol/ is what a tool that only speaks the wire needs: importing its codec loads
+    neither torch nor any module of meshd or shards."""
+    probe = ("import sys, protocol.codec, protocol.messages\n"
+             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'meshd', 'shards'))\n"
+             "print(','.join(bad))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"importing protocol/ loaded {done.stdout.strip()}"

@@ -227,6 +227,7 @@ async def test_long_prompts_are_bounded_and_tokenized_off_the_loop(real_model_di
 
 
 @pytest.mark.netns
+@pytest.mark.xdist_group("tiny_mesh")  # the session's one four-daemon mesh (tests/fixtures/workers.py)
 def test_control_endpoints_answer_only_this_host_without_a_key(tiny_mesh):
     """No key configured: a drain from another box (pytest, across the bridge) is refused,
     a foreign page's text/plain POST too; the same drain from the peer's own box gets in."""

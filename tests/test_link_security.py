@@ -34,6 +34,7 @@ from meshd.control.peers import CLOSE_AUTH, CLOSE_PROTOCOL
 from meshd.control.secure import NOISE_PROTOCOL, WIRE_MAX, handshake, mesh_psk
 from tests.sealed import caps, identity, sealed_peer
 from protocol.codec import encode, pack_tensor
+from shards.wire import to_wire
 from protocol.messages import (
     PROTOCOL_VERSION,
     Accept,
@@ -173,7 +174,7 @@ async def assert_serves(node, http, reference) -> None:
 
 def forward(term: int, session: str, req: int, start: int, hidden: torch.Tensor) -> ForwardBatch:
     """One session's rows, as the pipeline sends them."""
-    return ForwardBatch(term, req, (Segment(SessionId(session), start, hidden.shape[0]),), hidden)
+    return ForwardBatch(term, req, (Segment(SessionId(session), start, hidden.shape[0]),), to_wire(hidden))
 
 
 def forward_frame(hidden_size: int, term: int = 1, start: int = 0, session: str = "s-hostile") -> bytes:
@@ -296,7 +297,7 @@ def tensor_frame(tag: str, hidden: dict, **fields) -> bytes:
 @LIVE
 async def test_bad_frames_close_only_that_link(node, http, reference, hidden_size):
     secret = node.node.secret
-    good = pack_tensor(torch.randn(2, hidden_size))
+    good = pack_tensor(to_wire(torch.randn(2, hidden_size)))
     data = bytes(good["data"])
     fwd = dict(term=1, req=1, segments=[{"session": "s1", "start": 0, "rows": 1}])
     cases = {
@@ -316,8 +317,8 @@ async def test_bad_frames_close_only_that_link(node, http, reference, hidden_siz
         "truncated": encode(forward(1, "s1", 1, 0, torch.randn(1, hidden_size)))[:-7],
         "fwdb rows off hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),
                                                            Segment(SessionId("b"), 0, 2)),
-                                                    torch.randn(2, hidden_size))),
-        "fwdb 1-d hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),), torch.randn(hidden_size))),
+                                                    to_wire(torch.randn(2, hidden_size)))),
+        "fwdb 1-d hidden": encode(ForwardBatch(1, 1, (Segment(SessionId("a"), 0, 1),), to_wire(torch.randn(hidden_size)))),
         "hello again": encode(identity(secret).hello(caps())),
     }
     rows_before = forwarded(node)
@@ -401,10 +402,10 @@ async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hi
                 "wrong width": forward(term, "real", 6, 3, torch.randn(1, hidden_size + 1)),
                 "ghost in a batch": ForwardBatch(term, 8, (Segment(SessionId("real"), 3, 1),
                                                            Segment(SessionId("ghost"), 2, 1)),
-                                                 torch.randn(2, hidden_size)),
+                                                 to_wire(torch.randn(2, hidden_size))),
                 "one session twice": ForwardBatch(term, 9, (Segment(SessionId("real"), 3, 1),
                                                             Segment(SessionId("real"), 3, 1)),
-                                                  torch.randn(2, hidden_size)),
+                                                  to_wire(torch.randn(2, hidden_size))),
                 "past max position": forward(term, "long", 10, 0, torch.randn(m.config.max_position + 1, hidden_size)),
             }
             for what, msg in bad.items():
@@ -416,8 +417,8 @@ async def test_frames_a_stage_must_not_act_on_get_fail(node, http, reference, hi
             ok = await ask(forward(term, "real", 11, 3, torch.randn(1, hidden_size)))
             assert isinstance(ok, ResultBatch), ok
             # Drops of sessions that do not exist, results nobody asked for: ignored.
-            for frame in (Drop(term, SessionId("ghost")), ResultBatch(term, 999, torch.randn(1, 2)),
-                          Fail(term, 998, "nobody asked"), ResultBatch(term, 997, torch.randn(1, 2)),
+            for frame in (Drop(term, SessionId("ghost")), ResultBatch(term, 999, to_wire(torch.randn(1, 2))),
+                          Fail(term, 998, "nobody asked"), ResultBatch(term, 997, to_wire(torch.randn(1, 2))),
                           Accept(term + 9, Span(0, 1))):
                 await p.send(frame)
             await p.send(Drop(term, SessionId("real")))

@@ -23,7 +23,7 @@ from shards.span import Span
 from tests.fixtures.mesh import GiB, LAYER_DELAY_MS, MAX_TOKENS, PROMPT
 from tests.meshlab import complete, complete_stream, greedy_reference, plan_spans
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("tiny_mesh")]  # one four-daemon mesh for all three
 
 
 def meshctl_argv() -> list[str]:

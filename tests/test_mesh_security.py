@@ -31,11 +31,12 @@ from protocol.messages import (
     SessionId,
 )
 from shards.manifest import Manifest
+from shards.wire import to_wire
 from tests.fixtures.mesh import GiB, MAX_TOKENS, PROMPT
 from tests.meshlab import complete
 from tests.sealed import sealed_peer
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("tiny_mesh")]  # one four-daemon mesh for all three
 
 WATCH_S = 4.0  # how long, after the refusals are logged, the views must stay clean
 
@@ -135,8 +136,8 @@ async def test_stale_term_forward_is_dropped_and_malformed_frame_closes_only_tha
         # The frame the pipeline sends (a decode row) of term 0 and of the term before
         # this one: both for a session nobody has.
         session = SessionId("made-up-" + secrets.token_hex(4))
-        frames = [ForwardBatch(0, 1, (Segment(session, 0, 1),), torch.randn(1, hidden)),
-                  ForwardBatch(max(0, term - 1), 2, (Segment(session, 5, 1),), torch.randn(1, hidden))]
+        frames = [ForwardBatch(0, 1, (Segment(session, 0, 1),), to_wire(torch.randn(1, hidden))),
+                  ForwardBatch(max(0, term - 1), 2, (Segment(session, 5, 1),), to_wire(torch.randn(1, hidden)))]
         stale_terms = sorted(f.term for f in frames)
         for frame in frames:
             await peer.send(frame)

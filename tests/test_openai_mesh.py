@@ -12,7 +12,7 @@ import pytest
 
 from tests.test_openai_clients import ANSWER_SCHEMA
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.xdist_group("tiny_mesh")]  # one four-daemon mesh for all three
 
 # Small: the tiny model's context is 512 tokens of a byte-level vocabulary.
 WEATHER = {"type": "function", "function": {"name": "wx", "parameters": {

@@ -60,6 +60,7 @@ from protocol.messages import (
 )
 from shards.manifest import MANIFEST_FILE, Manifest
 from shards.span import Span
+from shards.wire import to_wire
 from tests.fixtures.daemon import free_port, running_node
 from tests.sealed import sealed_peer
 
@@ -121,7 +122,7 @@ def bad_frames(outside: Path) -> list[tuple[str, bytes]]:
     """Every message type a member may send after the handshake, each with a path-shaped
     and an out-of-range value in its fields."""
     path = str(outside / "pwned")
-    hidden = torch.zeros(1, 4)
+    hidden = to_wire(torch.zeros(1, 4))
     seg = Segment(SessionId("s1"), 0, 1)
     plan = Plan(1, NodeId("a"), "tiny", "ab" * 32, (Assignment(NodeId("a"), Span(0, 1)),))
     caps = Capabilities(vram=1, ram=1, device="cpu", api_port=1, mem_budget=1, layer_ms=1.0, models=("tiny",))
@@ -155,7 +156,7 @@ def bad_frames(outside: Path) -> list[tuple[str, bytes]]:
                                                                  models=["../../x"]))),
         ("hello.caps.layer_ms=-1", tampered(samples[0], caps=dict(msgpack.unpackb(encode(samples[0]))["caps"],
                                                                  layer_ms=-1.0))),
-        ("fwdb.hidden=int64", encode(ForwardBatch(1, 1, (seg,), torch.zeros(1, 4, dtype=torch.int64)))),
+        ("fwdb.hidden=int64", encode(ForwardBatch(1, 1, (seg,), to_wire(torch.zeros(1, 4, dtype=torch.int64))))),
     ]
     return out
 

@@ -20,6 +20,7 @@ from meshd.control.placement import (HEAD_SHARE, REBALANCE_MARGIN, Candidate, Co
                                      rebalanced, stage_ms)
 from protocol.messages import Assignment, Capabilities, Measured, NodeId
 from shards.span import Span
+from shards.wire import to_wire
 
 MODEL = "smollm2-135m"
 GiB = 2**30
@@ -34,9 +35,9 @@ def timed(layer: float, head: float = 0.0, model: str = MODEL) -> Measured:
     return Measured(model, layer / 3, layer, head / 3, head, batch=8)
 
 
-def manifest(n_layers: int = 30) -> SimpleNamespace:
+def manifest(n_layers: int = 30, name: str = MODEL) -> SimpleNamespace:
     """The parts of a Manifest that Costs.of_model reads (SmolLM2's sizes)."""
-    return SimpleNamespace(name=MODEL, n_layers=n_layers, embed_bytes=37_161_216,
+    return SimpleNamespace(name=name, n_layers=n_layers, embed_bytes=37_161_216,
                            layer_bytes=lambda i: 2_216_448)
 
 
@@ -155,7 +156,7 @@ def test_the_urgent_flag_travels_and_an_older_frame_reads_as_not_urgent():
     from protocol.codec import decode, encode
     from protocol.messages import ForwardBatch, Segment
 
-    fb = ForwardBatch(1, 7, (Segment("s", 0, 2),), torch.zeros(2, 4), urgent=1)
+    fb = ForwardBatch(1, 7, (Segment("s", 0, 2),), to_wire(torch.zeros(2, 4)), urgent=1)
     assert decode(encode(fb)).urgent == 1
     frame = msgpack.unpackb(encode(fb))
     del frame["urgent"]
@@ -163,13 +164,27 @@ def test_the_urgent_flag_travels_and_an_older_frame_reads_as_not_urgent():
 
 
 def test_measure_parts_times_a_real_layer_and_the_head(tiny_model_dir):
+    """The measurement runs, gives a positive finite figure for each part at both batch
+    sizes, and is what placement weighs the peer and the head by. How the figures compare
+    (a batch of 4 against one row) is the box's business, not the test's: it is a bench's."""
+    import math
+
     from shards.engine import measure_parts
+    from shards.manifest import Manifest
 
     t = measure_parts(tiny_model_dir, "cpu", "float32", batch=4, budget_s=0.05)
     assert t.batch == 4
-    assert 0 < t.layer_ms <= t.layer_ms_batch * 1.5 + 0.05  # a batch of 4 costs no less than one row (noise aside)
-    assert 0 < t.head_ms and 0 < t.head_ms_batch
-    assert all(v < 1000 for v in (t.layer_ms, t.layer_ms_batch, t.head_ms, t.head_ms_batch))
+    assert all(math.isfinite(v) and v > 0 for v in (t.layer_ms, t.layer_ms_batch, t.head_ms, t.head_ms_batch)), t
+    # Placement reads it as a peer sends it (node.py's Measured): this peer is weighed by its
+    # measured layer at the batch, not by its probe, and a supernode holding the head is
+    # charged its share of the timed head.
+    name = Manifest.load(tiny_model_dir).name
+    sent = Measured(name, t.layer_ms, t.layer_ms_batch, t.head_ms, t.head_ms_batch, t.batch)
+    assert sent.has_layers(name) and sent.has_head(name)
+    (cand,) = measured_candidates({NodeId("a"): caps(123.0, sent)}, name)
+    assert cand.layer_ms == t.layer_ms_batch
+    m = manifest(name=name)
+    assert Costs.of_model(m, NodeId("a"), cand.layer_ms, 0.3, sent).head_ms == HEAD_SHARE * t.head_ms_batch
 
 
 def test_measure_parts_times_the_forward_the_stage_serves_with(tiny_model_dir, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 
 from meshd.errors import ProtocolError
 from protocol import codec
-from protocol.codec import DTYPES, decode, encode, pack_tensor, unpack_tensor
+from protocol.codec import decode, encode, pack_tensor, unpack_tensor
 from protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -36,8 +36,10 @@ from protocol.messages import (
     ResultBatch,
     Segment,
     SessionId,
+    WireTensor,
 )
 from shards.span import Span
+from shards.wire import TORCH_DTYPES, from_wire, to_wire
 
 CAPS = Capabilities(
     vram=8 * 2**30, ram=32 * 2**30, device="cuda", api_port=8470,
@@ -61,8 +63,8 @@ SAMPLES = [
            held_term=5),
     Commit(term=3),
     ForwardBatch(term=3, req=10, segments=(Segment(SessionId("s1"), 17, 1), Segment(SessionId("s2"), 0, 2)),
-                 hidden=HIDDEN),
-    ResultBatch(term=3, req=10, hidden=HIDDEN * 3),
+                 hidden=to_wire(HIDDEN)),
+    ResultBatch(term=3, req=10, hidden=to_wire(HIDDEN * 3)),
     Fail(term=3, req=9, reason="engine error"),
     Drop(term=3, session=SessionId("s1")),
     ApiRequest(req=4, method="POST", path="/v1/completions", body=b'{"prompt": "hi"}', authorization="Bearer k"),
@@ -83,8 +85,8 @@ def assert_same(a, b) -> None:
     assert type(a) is type(b)
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, WireTensor):
+            assert (x.dtype, x.shape, bytes(x.data)) == (y.dtype, y.shape, bytes(y.data))
         else:
             assert x == y, f.name
 
@@ -103,17 +105,17 @@ def test_round_trip(msg):
     assert_same(decode(encode(msg)), msg)
 
 
-@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("name", list(TORCH_DTYPES))
 @pytest.mark.parametrize("shape", [(), (0,), (0, 576), (1, 576), (2, 3, 4)], ids=str)
 def test_tensor_round_trip(name, shape):
-    dtype = DTYPES[name]
+    dtype = TORCH_DTYPES[name]
     if dtype.is_floating_point:
         t = torch.randn(shape).to(dtype)
     else:
         info = torch.iinfo(dtype)
         t = torch.randint(info.min, info.max, shape, dtype=dtype)
-    msg = ResultBatch(1, 0, t)  # the frame that takes a tensor of any shape
-    back = decode(encode(msg)).hidden
+    msg = ResultBatch(1, 0, to_wire(t))  # the frame that takes a tensor of any shape
+    back = from_wire(decode(encode(msg)).hidden)
     assert back.dtype == dtype and back.shape == t.shape
     assert torch.equal(back.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
@@ -122,27 +124,27 @@ def test_bfloat16_travels_bit_for_bit():
     # Every 16-bit pattern, NaNs and infinities included.
     words = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     t = words.view(torch.bfloat16)
-    d = pack_tensor(t)
+    d = pack_tensor(to_wire(t))
     assert d["dtype"] == "bfloat16" and len(d["data"]) == 2 * 2**16
-    back = decode(encode(ResultBatch(1, 0, t))).hidden
+    back = from_wire(decode(encode(ResultBatch(1, 0, to_wire(t)))).hidden)
     assert torch.equal(back.view(torch.int16), words)
 
 
 def test_large_prefill_frame():
     t = torch.randn(2048, 4096, dtype=torch.float16)  # 16 MiB
-    assert torch.equal(decode(encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 2048),), t))).hidden, t)
+    assert torch.equal(from_wire(decode(encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 2048),), to_wire(t)))).hidden), t)
 
 
 def test_non_contiguous_and_grad_tensors_pack():
     t = torch.randn(4, 6, requires_grad=True)
     view = t.t()[1:3]
-    assert torch.equal(unpack_tensor(pack_tensor(view)), view.detach())
+    assert torch.equal(from_wire(unpack_tensor(pack_tensor(to_wire(view)))), view.detach())
 
 
 @pytest.mark.filterwarnings("error")
 def test_unpacked_tensor_owns_writable_memory():
     data = bytearray(torch.ones(4).numpy().tobytes())
-    t = unpack_tensor({"dtype": "float32", "shape": [4], "data": data})
+    t = from_wire(unpack_tensor({"dtype": "float32", "shape": [4], "data": data}))
     t += 1  # must not warn about a read-only buffer, nor write through to the frame
     assert data == bytearray(torch.ones(4).numpy().tobytes())
 
@@ -150,7 +152,7 @@ def test_unpacked_tensor_owns_writable_memory():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensor_packs():
     t = torch.randn(3, 5, device="cuda").half()
-    assert torch.equal(unpack_tensor(pack_tensor(t)), t.cpu())
+    assert torch.equal(from_wire(unpack_tensor(pack_tensor(to_wire(t)))), t.cpu())
 
 
 # -- schema evolution -------------------------------------------------------------
@@ -272,7 +274,7 @@ def test_malformed_field_is_rejected(msg, path, value, match):
 
 
 def test_too_many_elements_for_the_frame_limit():
-    d = pack_tensor(torch.zeros(4, 4))
+    d = pack_tensor(to_wire(torch.zeros(4, 4)))
     with pytest.raises(ProtocolError, match="exceeds"):
         unpack_tensor(d, max_elements=15)
 
@@ -306,7 +308,7 @@ def test_text_frame_is_rejected():
 
 
 def test_oversize_frame_is_rejected_before_parsing():
-    data = encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 64),), torch.zeros(64, 64)))
+    data = encode(ForwardBatch(1, 0, (Segment(SessionId("s"), 0, 64),), to_wire(torch.zeros(64, 64))))
     rejects_at = len(data) - 1
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(data, max_size=rejects_at)
@@ -322,4 +324,4 @@ def test_encode_refuses_what_is_not_a_message():
     with pytest.raises(TypeError):
         encode(CAPS)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="float64"):
-        pack_tensor(torch.zeros(2, dtype=torch.float64))
+        to_wire(torch.zeros(2, dtype=torch.float64))

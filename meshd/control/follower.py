@@ -27,6 +27,7 @@ from meshd.errors import KNOWN_ERRORS, PeerLost
 from protocol.messages import (Accept, Commit, Fail, ForwardBatch, Measured, Message, NodeId, Plan, Reject, RejectCode,
                                ResultBatch)
 from shards.engine import DECODE_BATCH, URGENT, StageEngine, measure_layer_ms
+from shards.wire import from_wire, to_wire
 
 log = structlog.get_logger()
 
@@ -129,13 +130,13 @@ class Follower:
             return
         URGENT.set(bool(msg.urgent))  # this task's own context: its engine call goes first if urgent
         try:
-            out = await run_span(engine, list(msg.segments), msg.hidden,
+            out = await run_span(engine, list(msg.segments), from_wire(msg.hidden),
                                  delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)
         except KNOWN_ERRORS as exc:
             log.warning("forward_failed", sessions=len(msg.segments), error=str(exc))
             await _reply(link, Fail(msg.term, msg.req, str(exc)))
             return
-        await _reply(link, ResultBatch(msg.term, msg.req, out))
+        await _reply(link, ResultBatch(msg.term, msg.req, to_wire(out)))
 
     def drop(self, session: str) -> None:
         if self.store.engine is not None:

@@ -39,6 +39,7 @@ from protocol.messages import (
     Segment,
 )
 from shards.engine import URGENT
+from shards.wire import from_wire, to_wire
 
 log = structlog.get_logger()
 
@@ -139,7 +140,7 @@ class Link:
         future = asyncio.get_running_loop().create_future()
         self._pending[req] = future
         try:
-            await self.send(ForwardBatch(term, req, tuple(segments), hidden, urgent=int(URGENT.get())))
+            await self.send(ForwardBatch(term, req, tuple(segments), to_wire(hidden), urgent=int(URGENT.get())))
             return await future
         finally:
             self._pending.pop(req, None)
@@ -180,7 +181,7 @@ class Link:
                     case Pong(sent=sent):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
                     case ResultBatch(req=req, hidden=hidden):
-                        self._settle(req, hidden)
+                        self._settle(req, from_wire(hidden))
                     case Fail(req=req, reason=reason):
                         self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))
                     case ApiReply(req=req):
