@@ -36,10 +36,12 @@ from .messages import (
     Capabilities,
     Digest,
     ForwardBatch,
+    MAX_ORIGIN,
     Measured,
     Message,
     ModelName,
     NodeId,
+    Plan,
     Segment,
     SessionId,
 )
@@ -289,8 +291,14 @@ def _check_measured(m: Measured, f: _Fields) -> None:
         raise ProtocolError(f"{f.where}: model name longer than {MAX_ID}")
 
 
+def _check_plan(p: Plan, f: _Fields) -> None:
+    if len(p.chat_template) > MAX_ORIGIN:
+        raise ProtocolError(f"{f.where}: chat_template longer than {MAX_ORIGIN}")
+
+
 _CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch,
-                                                       Capabilities: _check_caps, Measured: _check_measured}
+                                                       Capabilities: _check_caps, Measured: _check_measured,
+                                                       Plan: _check_plan}
 
 
 def _unpack(data: bytes, max_size: int) -> dict:

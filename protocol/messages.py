@@ -33,6 +33,8 @@ PROTOCOL_VERSION = 2
 MAX_TERM = 2**62
 TERM = {"max": MAX_TERM}
 MAX_POSITION = 2**31  # a session position (a segment's start)
+NO_CHAT = "none"  # Plan.chat_template of a supernode that has no chat template
+MAX_ORIGIN = 256  # Plan.chat_template's length
 
 
 # -- nested structures (not frames of their own) ---------------------------------
@@ -129,6 +131,10 @@ class Plan:
     manifest_digest: Digest  # sha256 of manifest.json, so every peer loads the same model
     assignments: tuple[Assignment, ...]  # in layer order
     sources: tuple[NodeId, ...] = ()  # peers that hold the full model, to fetch from
+    # Where the supernode's chat template comes from ("model", a built-in name, "file:NAME",
+    # "chatml-fallback"), NO_CHAT when it has none: members answer /v1/models with it. ""
+    # from an older supernode: not known.
+    chat_template: str = ""
 
 
 @dataclass(frozen=True, slots=True)

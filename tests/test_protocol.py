@@ -54,7 +54,7 @@ SAMPLES = [
     Plan(
         term=3, supernode=NodeId("a"), model="smollm2-135m", manifest_digest="ab" * 32,
         assignments=(Assignment(NodeId("a"), Span(0, 10)), Assignment(NodeId("b"), Span(10, 30))),
-        sources=(NodeId("a"),),
+        sources=(NodeId("a"),), chat_template="gemma",
     ),
     Accept(term=3, span=Span(10, 30)),
     Reject(term=3, reason="stale term: this peer is at term 5", capacity=1024, code=RejectCode.STALE_TERM,
@@ -174,6 +174,9 @@ def test_missing_fields_with_defaults_take_them():
     f = frame(SAMPLES[0])
     del f["caps"]["models"]
     assert decode(pack(f)).caps == dataclasses.replace(CAPS, models=())
+    f = frame(SAMPLES[5])  # an older supernode's Plan: its chat template is not known
+    del f["chat_template"]
+    assert decode(pack(f)).chat_template == ""
 
 
 def test_a_reject_without_a_code_or_with_an_unknown_one_reads_as_other():
@@ -248,6 +251,8 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (SAMPLES[6], ("span",), [5, 5], "bad span"),
         (SAMPLES[7], ("capacity",), "lots", "expected int"),
         (SAMPLES[2], ("sent",), "now", "finite float"),
+        (PLAN, ("chat_template",), 7, "expected str"),
+        (PLAN, ("chat_template",), "x" * 257, "chat_template longer than 256"),
         (FWD, ("hidden",), b"raw", "tensor must be a map"),
         (FWD, ("hidden", "dtype"), "float64", "dtype 'float64' not allowed"),
         (FWD, ("hidden", "dtype"), "bool", "not allowed"),
