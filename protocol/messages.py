@@ -33,6 +33,7 @@ PROTOCOL_VERSION = 2
 MAX_TERM = 2**62
 TERM = {"max": MAX_TERM}
 MAX_POSITION = 2**31  # a session position (a segment's start)
+MAX_MEMORY = 2**56  # bytes of memory a peer may say it uses
 NO_CHAT = "none"  # Plan.chat_template of a supernode that has no chat template
 MAX_ORIGIN = 256  # Plan.chat_template's length
 
@@ -111,6 +112,9 @@ class Pong:
     tag: ClassVar[str] = "pong"
     seq: int
     sent: float
+    # The answering peer's resident memory now, bytes (0: an older peer, not known): every
+    # peer's /status shows it beside the total of its Hello, fresh to a heartbeat.
+    ram_used: int = field(default=0, metadata={"max": MAX_MEMORY})
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ SAMPLES = [
     Hello(PROTOCOL_VERSION, NodeId("node-a"), "home", "box-a", CAPS, plaintext=1),
     ApiCancel(req=4),
     Ping(seq=7, sent=12345.678),
-    Pong(seq=7, sent=12345.678),
+    Pong(seq=7, sent=12345.678, ram_used=412 * 2**20),
     Bye(reason="shutting down"),
     Plan(
         term=3, supernode=NodeId("a"), model="smollm2-135m", manifest_digest="ab" * 32,
@@ -174,6 +174,9 @@ def test_missing_fields_with_defaults_take_them():
     f = frame(SAMPLES[0])
     del f["caps"]["models"]
     assert decode(pack(f)).caps == dataclasses.replace(CAPS, models=())
+    f = frame(SAMPLES[3])  # an older peer's Pong: its memory in use is not known
+    del f["ram_used"]
+    assert decode(pack(f)) == Pong(seq=7, sent=12345.678, ram_used=0)
     f = frame(SAMPLES[5])  # an older supernode's Plan: its chat template is not known
     del f["chat_template"]
     assert decode(pack(f)).chat_template == ""
@@ -251,6 +254,9 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (SAMPLES[6], ("span",), [5, 5], "bad span"),
         (SAMPLES[7], ("capacity",), "lots", "expected int"),
         (SAMPLES[2], ("sent",), "now", "finite float"),
+        (SAMPLES[3], ("ram_used",), -1, "outside"),
+        (SAMPLES[3], ("ram_used",), 2**60, "outside"),
+        (SAMPLES[3], ("ram_used",), "1 GiB", "expected int"),
         (PLAN, ("chat_template",), 7, "expected str"),
         (PLAN, ("chat_template",), "x" * 257, "chat_template longer than 256"),
         (FWD, ("hidden",), b"raw", "tensor must be a map"),
