@@ -220,8 +220,9 @@ def test_smollm2_renders_as_before(real_model_dir):
     renders them with that template, byte for byte and token for token."""
     tok = MeshTokenizer.load(real_model_dir)
     manifest = Manifest.load(real_model_dir)
-    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(real_model_dir / "tokenizer.json")),
-                                               chat_template=manifest.chat_template, **manifest.special_tokens)
+    vocab = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=vocab, chat_template=manifest.chat_template,
+                                               **manifest.special_tokens)
     assert tok.render_chat(ASK) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                                     "Hugging Face<|im_end|>\n<|im_start|>user\nName three colors.<|im_end|>\n"
                                     "<|im_start|>assistant\n")
