@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from enum import IntEnum
 from functools import cache
 from typing import Any, Callable, get_args, get_origin, get_type_hints
@@ -57,6 +58,7 @@ MAX_ID = 128  # node and session ids
 MAX_LAYERS = 1 << 16  # span ends
 MAX_LAYER_MS = 1e6
 _HEX = frozenset("0123456789abcdef")
+_ORIGIN = re.compile(r"[A-Za-z0-9._:-]*")  # Plan.chat_template
 
 # Allowed tensor dtypes by wire name. bfloat16 has no numpy type; it travels
 # as raw 2-byte words, which torch.frombuffer reads back bit for bit. Byte
@@ -292,8 +294,9 @@ def _check_measured(m: Measured, f: _Fields) -> None:
 
 
 def _check_plan(p: Plan, f: _Fields) -> None:
-    if len(p.chat_template) > MAX_ORIGIN:
-        raise ProtocolError(f"{f.where}: chat_template longer than {MAX_ORIGIN}")
+    # A label a member shows (/v1/models), never a path: letters, digits and ._:- only.
+    if len(p.chat_template) > MAX_ORIGIN or not _ORIGIN.fullmatch(p.chat_template):
+        raise ProtocolError(f"{f.where}: chat_template must be a label of at most {MAX_ORIGIN} of [A-Za-z0-9._:-]")
 
 
 _CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch,

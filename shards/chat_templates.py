@@ -20,6 +20,7 @@ A name is taken before a file of the same name: ``./gemma`` is the file.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,4 +201,5 @@ def given_template(value: str) -> GivenTemplate:
         raise ModelError(f"chat_template: cannot read {path}: {exc}") from None
     if not text.strip():
         raise ModelError(f"chat_template: {path} is empty")
-    return GivenTemplate(text, f"file:{path.name}")
+    # The origin travels in the supernode's Plan as a label (no path, nothing a member could misread).
+    return GivenTemplate(text, "file:" + re.sub(r"[^A-Za-z0-9._-]", "_", path.name)[:200])

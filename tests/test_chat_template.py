@@ -213,6 +213,9 @@ def test_the_choice_of_template(real_model_dir, gemma_dir, tmp_path):
     path = tmp_path / "mine.jinja"
     path.write_text(GEMMA3_TEMPLATE)
     assert given_template(str(path)).origin == "file:mine.jinja"
+    odd = tmp_path / "my template\n.jinja"  # the origin is a label in the Plan: never more than one
+    odd.write_text(GEMMA3_TEMPLATE)
+    assert given_template(str(odd)).origin == "file:my_template_.jinja"
 
 
 def test_smollm2_renders_as_before(real_model_dir):
