@@ -3,13 +3,14 @@ model (its GGUF has no ``tokenizer.chat_template``): a chat is a 400 that names
 ``--chat-template`` rather than ChatML its vocabulary has no tokens for; with
 ``--chat-template gemma`` (or a file) the prompt is Gemma's turn format, token for token
 what transformers' ``apply_chat_template`` makes with Gemma 3's own template, and the model
-answers; on a mesh the supernode's template is the one that counts. SmolLM2, which ships
-its own template, renders as before, and a template-less model whose vocabulary has
-ChatML's markers still falls back to ChatML.
+answers; on a mesh the supernode's template is the one that counts, a member's once it
+leads. SmolLM2, which ships its own template, renders as before, and a template-less model
+whose vocabulary has ChatML's markers still falls back to ChatML.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -253,13 +254,6 @@ def test_a_bad_chat_template_stops_the_daemon_at_start(tmp_path):
 # -- the real Gemma 3 on a node, and on a mesh --------------------------------------------
 
 
-async def test_gemma_with_chat_template_gemma_renders_gemma_turns_and_answers(gemma_dir, reference, tmp_path):
-    async with running_node(gemma_dir, tmp_path, chat_template="gemma") as node, aiohttp.ClientSession() as http:
-        assert await chat_fields(http, node.url, node.node.model_name) == (True, "gemma")
-        await assert_renders_as_gemma(http, node.url, reference)
-        await assert_answers(http, node.url, reference)
-
-
 async def test_on_a_mesh_the_supernodes_template_file_serves_every_peer(gemma_dir, reference, tmp_path):
     """The supernode renders: its --chat-template (here a file) serves a chat sent to any
     peer, and every peer's /v1/models says so (a member learns it from the plan)."""
@@ -273,10 +267,10 @@ async def test_on_a_mesh_the_supernodes_template_file_serves_every_peer(gemma_di
         await assert_answers(http, entry.url, reference)
 
 
-async def test_gemma_without_a_template_refuses_chat_even_when_a_member_has_one(gemma_dir, tmp_path):
+async def test_without_a_template_chat_is_refused_until_a_peer_with_one_leads(gemma_dir, reference, tmp_path):
     """No template on the supernode: a chat is a 400 naming --chat-template from any peer,
-    streamed or not, whatever a member's own flag says (it counts once that member leads);
-    completions are untouched."""
+    streamed or not, whatever a member's own flag says, and completions are untouched. Once
+    that member leads (the supernode stops), its --chat-template gemma is the one that counts."""
     secret = tmp_path / "secret"
     secret.write_text("ab" * 32)
     secret.chmod(0o600)
@@ -287,11 +281,19 @@ async def test_gemma_without_a_template_refuses_chat_even_when_a_member_has_one(
                                 secret_file=secret, peer=(f"127.0.0.1:{port}",), chat_template="gemma") as entry, \
                 aiohttp.ClientSession() as http:
             await until(lambda: entry.node.serves() and not entry.node.view.is_supernode, timeout=60)
+            model = sup.node.model_name
             for peer in (sup, entry):
-                assert await chat_fields(http, peer.url, sup.node.model_name) == (False, None)
+                assert await chat_fields(http, peer.url, model) == (False, None)
                 for stream in (False, True):
                     assert_refused(*await post_json(http, peer.url + "/v1/chat/completions",
                                                     {"messages": ASK, "stream": stream}))
             status, data = await post_json(http, entry.url + "/v1/completions",
                                            {"prompt": "Red, green and", "max_tokens": 4, "temperature": 0})
             assert status == 200 and data["usage"]["completion_tokens"] >= 1, data
+
+            sup.stop.set()  # a graceful stop: the member takes over, with its own template
+            await asyncio.wait_for(sup.task, 60)
+            await until(lambda: entry.node.view.is_supernode and entry.node.serves(), timeout=300)
+            assert await chat_fields(http, entry.url, model) == (True, "gemma")
+            await assert_renders_as_gemma(http, entry.url, reference)
+            await assert_answers(http, entry.url, reference)
