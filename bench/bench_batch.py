@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_throughput import PROMPTS, load, one_stream  # noqa: E402
+from locate import OUT, add_model_flag, need_model  # noqa: E402
 from tests.meshlab import MeshLab  # noqa: E402
 from tests.netlab import Lab, netlab_available  # noqa: E402
 
@@ -145,15 +146,16 @@ def run_config(name: str, model_dir: Path, args, workdir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "state" / "models" / "smollm2-135m")
+    add_model_flag(ap)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--probe-every", type=float, default=1.0, help="seconds between interactive probes")
     ap.add_argument("--configs", default="single,mesh3")
     ap.add_argument("--single-threads", type=int, default=2,
                     help="torch threads of the single daemon (bench_throughput's 2; 1 on a busy machine)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
+    need_model(args.model)
     if not netlab_available():
         print("bench_batch needs root and ip netns", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ messages costs on top. Median of several timed runs, best of three rounds.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import timeit
@@ -39,7 +40,9 @@ def best_us(fn, number: int, repeat: int) -> float:
 
 
 def main() -> None:
-    number, repeat = (200, 3) if "--quick" in sys.argv else (2000, 5)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer runs (200 x 3 instead of 2000 x 5)")
+    number, repeat = (200, 3) if ap.parse_args().quick else (2000, 5)
     print(f"{'frame':<28}{'bytes':>8}{'codec µs':>10}{'msgpack µs':>12}{'ratio':>7}")
     for sessions in (1, 16):
         for dtype in (torch.float32, torch.float16):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from locate import model_dir  # noqa: E402
 from tests.faultlab import Stream, restart  # noqa: E402
 from tests.meshlab import Daemon, MeshLab, greedy_reference  # noqa: E402
 from tests.netlab import Lab, netlab_available, reap_stale  # noqa: E402
@@ -197,7 +197,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--replay-reps", type=int, default=2)
     ap.add_argument("--histories", default="32,128,512,1024")
-    ap.add_argument("--model", type=Path, default=None, help="the real model dir (default: the test cache)")
+    ap.add_argument("--model", type=Path, default=model_dir(),
+                    help="the real model's directory for (d) (default: %(default)s, where `make test` puts it; "
+                         "the tiny model where it is absent)")
     ap.add_argument("--only", default="a,b,c,d")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
@@ -211,8 +213,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-failover-"))
     tiny = convert(write_tiny_hf_model(work / "hf" / "tiny-llama"), work / "tiny-llama", progress=False)
-    real = args.model or Path(os.environ.get("MESHD_TEST_MODEL_DIR")
-                              or Path.home() / ".cache" / "meshd-test" / "models" / "smollm2-135m")
+    real = args.model
     results: dict = {}
     t0 = time.monotonic()
     with Lab() as lab:

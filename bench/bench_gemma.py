@@ -11,7 +11,7 @@ Peak RSS: each configuration alone in a process of its own (VmHWM for meshd; the
 high-water mark of the llama-bench child).
 
     .venv/bin/python bench/bench_gemma.py [--state-dir DIR] [--threads 2] [--prompt 128]
-                                          [--decode 64] [--rounds 3] [--llama-cpp DIR]
+                                          [--decode 64] [--rounds 3] [--llama-cpp DIR] [--build-llama-cpp]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from locate import ROOT, add_llama_cpp_flags, llama_cpp, state_dir
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 DTYPES = ("float32", "bfloat16")
 
@@ -127,25 +127,15 @@ def _line(p: subprocess.Popen, wanted) -> str:
     raise SystemExit(f"a meshd worker ended (exit {p.wait()})")
 
 
-def _llama_cpp_dir(given: str | None) -> Path:
-    if given:
-        return Path(given)
-    tool = ROOT.parent / "shared" / "tools" / "llama-cpp"
-    if tool.is_file():
-        done = subprocess.run([str(tool)], capture_output=True, text=True)
-        if done.returncode == 0:
-            return Path(done.stdout.strip().splitlines()[-1])
-    return Path.home() / ".cache" / "meshd-tools" / "llama.cpp-11434.0.0"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--state-dir", default=os.environ.get("MESHD_STATE_DIR") or str(ROOT / "state"))
+    ap.add_argument("--state-dir", type=Path, default=state_dir(),
+                    help="where `meshd model fetch gemma3-270m` finds or puts the model (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--llama-cpp", default=None, help="llama.cpp build folder (bin/llama-bench)")
+    add_llama_cpp_flags(ap)
     ap.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "DTYPE"))
     ap.add_argument("--once", action="store_true")
     a = ap.parse_args()
@@ -158,8 +148,9 @@ def main() -> None:
     if fetch.returncode != 0:
         raise SystemExit(f"meshd model fetch gemma3-270m failed:\n{fetch.stderr[-2000:]}")
     model_dir, gguf = Path(fetch.stdout.strip().splitlines()[-1]), state / "cache" / GGUF_NAME
-    binary = _llama_cpp_dir(a.llama_cpp) / "bin" / "llama-bench"
-    have_llama = binary.is_file()
+    llama, why_not = llama_cpp(a.llama_cpp, a.build_llama_cpp)
+    have_llama = llama is not None
+    binary = llama / "bin" / "llama-bench" if llama else None
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(a.threads)}
     common = ["--threads", str(a.threads), "--prompt", str(a.prompt), "--decode", str(a.decode)]
 
@@ -208,7 +199,7 @@ def main() -> None:
         print(f"{name:<20}{b['prefill']:>14.1f}{b['decode']:>14.1f}{rss.get(name) or float('nan'):>13.0f}"
               f"{ratio('prefill'):>18}{ratio('decode'):>17}")
     if not have_llama:
-        print(f"(no {binary}: build llama.cpp with ../shared/tools/llama-cpp for the reference)")
+        print(f"llama.cpp column skipped: {why_not}")
     print(json.dumps({"best": best, "peak_rss_mb": rss}))
 
 

@@ -10,13 +10,15 @@ The two engines run in alternating rounds so that other work on the machine weig
 ``--step-by-step`` adds a third engine to each round: meshd with MESHD_WHOLE_BLOCK=0 (decode
 rows through a block's steps one C call at a time, as before shards/rowops.c's ro_block).
 
-    .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [--step-by-step] [FILE.gguf ...]
+    .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [--step-by-step]
+                                         [--llama-cpp DIR] [--build-llama-cpp] [FILE.gguf ...]
 
-Default files: SmolLM2's Q4_1 (the default model's source in state/cache), a SmolLM2
-Q4_K_M that `llama-quantize` makes from it (once, into state/cache), Gemma 3 270M Q4_K_M
-(``--gemma``, default /work/cache/gemma/...; skipped with the reason when absent or
-when its family is not supported yet). llama.cpp's tools: ``--llama DIR`` or
-``../shared/tools/llama-cpp``'s folder.
+Default files, where ``make test`` leaves them (the state dir's cache/, bench/locate.py):
+SmolLM2's Q4_1 (the default model's source), a SmolLM2 Q4_K_M that `llama-quantize` makes
+from it (once, beside it), Gemma 3 270M Q4_K_M (``--gemma``); a file that is absent, or of a
+family not supported yet, is a row that says so. llama.cpp's tools: ``--llama-cpp DIR``,
+``$LLAMA_CPP_HOME``, or ``../shared/tools/llama-cpp``'s folder once built (``--build-llama-cpp``
+builds it); without them the llama.cpp column is skipped.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-STATE = Path(os.environ.get("MESHD_STATE_DIR") or ROOT / "state")
+from locate import GEMMA_GGUF, SMOLLM2_GGUF, add_llama_cpp_flags, gguf_file, llama_cpp, state_dir
+
 PROMPT = [(i * 131) % 40000 + 100 for i in range(16)]
 
 
@@ -98,9 +100,9 @@ def tensor_bytes(gguf: Path) -> int:
 
 
 def default_files(llama: Path | None, gemma: Path) -> list[Path]:
-    q4_1 = next(iter(sorted((STATE / "cache").glob("SmolLM2-*.Q4_1.gguf"))), None)
+    q4_1 = gguf_file(SMOLLM2_GGUF)
     files = [q4_1] if q4_1 else []
-    k_m = STATE / "cache" / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    k_m = (q4_1.parent if q4_1 else state_dir() / "cache") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
     if q4_1 and llama and not k_m.exists():
         tmp = k_m.with_suffix(".f16.tmp")
         q = str(llama / "bin" / "llama-quantize")
@@ -112,34 +114,25 @@ def default_files(llama: Path | None, gemma: Path) -> list[Path]:
     return files + [gemma]
 
 
-def find_llama(given: str | None) -> Path | None:
-    if given:
-        return Path(given)
-    tool = ROOT.parent / "shared" / "tools" / "llama-cpp"
-    for cand in (tool, Path("/work/shared/tools/llama-cpp")):
-        if cand.exists():
-            home = Path(os.environ.get("LLAMA_CPP_HOME", Path.home() / ".cache/meshd-tools/llama.cpp-11434.0.0"))
-            if (home / "bin" / "llama-bench").exists():  # built: never start a build from a bench
-                return home
-    return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="*")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--llama", default=None)
-    ap.add_argument("--gemma", default="/work/cache/gemma/gemma-3-270m-q4_k_m.gguf")
+    add_llama_cpp_flags(ap)
+    ap.add_argument("--gemma", type=Path, default=gguf_file(GEMMA_GGUF) or state_dir() / "cache" / GEMMA_GGUF,
+                    help="Gemma 3 270M's GGUF file (default: %(default)s, where `make test` puts it)")
     ap.add_argument("--step-by-step", action="store_true", help="also meshd with MESHD_WHOLE_BLOCK=0")
     ap.add_argument("--child", nargs=1)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child[0], a.threads, a.tokens, a.rounds)))
         return
-    llama = find_llama(a.llama)
-    files = [Path(f) for f in a.files] or default_files(llama, Path(a.gemma))
+    llama, why_not = llama_cpp(a.llama_cpp, a.build_llama_cpp, tools=("llama-bench", "llama-quantize"))
+    if llama is None:
+        print(f"llama.cpp column skipped: {why_not}", flush=True)
+    files = [Path(f) for f in a.files] or default_files(llama, a.gemma)
     from shards.convert import convert
 
     rows = []
@@ -147,12 +140,12 @@ def main() -> None:
         row = {"file": f.name}
         rows.append(row)
         if not f.exists():
-            row["skipped"] = "file absent"
+            row["skipped"] = f"file absent ({f}; `make test` fetches the default ones)"
             continue
         row["tensor_mb"] = tensor_bytes(f) / 1e6
         row["file_mb"] = f.stat().st_size / 1e6
         try:
-            out = convert(f, STATE / "models" / f"bench-{f.stem.lower()}", name=f"bench-{f.stem.lower()}",
+            out = convert(f, state_dir() / "models" / f"bench-{f.stem.lower()}", name=f"bench-{f.stem.lower()}",
                           progress=False)
         except Exception as e:  # noqa: BLE001 - a family not supported yet is a result here
             row["skipped"] = f"convert: {e}"[:160]

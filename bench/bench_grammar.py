@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import os
 import time
-from pathlib import Path
 
 import torch
+from locate import add_model_flag, need_model  # bench/: also puts the repo on sys.path
 
 from meshd.control.runner import LocalRunner
 from meshd.serving.pipeline import Pipeline
@@ -82,7 +82,7 @@ async def one_run(sched: Scheduler, tok: MeshTokenizer, batch: int, tokens: int,
 
 
 async def main(args) -> None:
-    model = Path(args.model)
+    model = need_model(args.model)
     n = Manifest.load(model).n_layers
     engine = await asyncio.to_thread(StageEngine.load, model, Span(0, n), True, True, "cpu", "float32")
     pipeline = Pipeline(lambda: engine)
@@ -120,8 +120,7 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.environ.get("MESHD_TEST_MODEL_DIR",
-                                                    os.path.expanduser("~/.cache/meshd-test/models/smollm2-135m")))
+    add_model_flag(p)
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)

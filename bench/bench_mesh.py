@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from locate import add_model_flag, need_model  # noqa: E402
 from tests.meshlab import PORT, MeshLab, complete  # noqa: E402
 from tests.netlab import Lab, netlab_available, reap_stale  # noqa: E402
 
@@ -259,16 +259,14 @@ def _wall(ts: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_model = Path(os.environ.get("MESHD_TEST_MODEL_DIR") or ROOT / "state" / "models" / "smollm2-135m")
-    p.add_argument("--model", type=Path, default=default_model)
+    add_model_flag(p)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per daemon (1: on shared cores, OpenMP barriers under contention cost 10x)")
     p.add_argument("--skip-start", action="store_true", help="skip (b)")
     args = p.parse_args()
-    args.model = args.model.resolve()
-    assert (args.model / "manifest.json").is_file(), f"no model at {args.model} (meshd model fetch smollm2-135m)"
+    args.model = need_model(args.model).resolve()
     work = Path(tempfile.mkdtemp(prefix="bench-mesh-"))
     mode = "network namespaces" if netlab_available() else "loopback (no namespaces)"
     print(f"bench_mesh: model {args.model.name}, {args.tokens} greedy tokens, {args.rounds} rounds, "

@@ -49,8 +49,9 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/root/.cache/meshd-tools/llama.cpp-11434.0.0/bin"))
+from locate import OUT, ROOT, SMOLLM2_GGUF, add_llama_cpp_flags, add_model_flag, gguf_file, llama_cpp, need_model
+
+LLAMA_TOOLS = ("llama-server", "ggml-rpc-server")
 PROMPTS = [
     "The old lighthouse keeper climbed the stairs and",
     "A bicycle stays upright because the rider",
@@ -261,11 +262,14 @@ def start_meshd(peers: int, args, workdir: Path, name: str | None = None,
 
 
 def start_llama(rpc: bool, args, workdir: Path) -> Running | None:
-    server = LLAMA_BIN / "llama-server"
-    if not server.exists() or args.gguf is None:
-        print(f"   llama.cpp: no {server} or GGUF; skipped", flush=True)
+    llama, why_not = llama_cpp(args.llama_cpp, args.build_llama_cpp, LLAMA_TOOLS)
+    if llama is None or args.gguf is None:
+        why_not = why_not or f"no {SMOLLM2_GGUF} in the state dir's cache/ (`make test` fetches it; or --gguf FILE)"
+        print(f"   llama.cpp: skipped, {why_not}", flush=True)
         return None
-    env = os.environ | {"LD_LIBRARY_PATH": str(LLAMA_BIN)}
+    bin_dir = llama / "bin"
+    server = bin_dir / "llama-server"
+    env = os.environ | {"LD_LIBRARY_PATH": str(bin_dir)}
     port = free_port()
     procs, logs = [], []
     name = "llama-rpc-2" if rpc else "llama-1"
@@ -277,7 +281,7 @@ def start_llama(rpc: bool, args, workdir: Path) -> Running | None:
             rport = free_port()
             log = open(workdir / "rpc.log", "wb")
             logs.append(log)
-            procs.append(subprocess.Popen(["taskset", "-c", "1", str(LLAMA_BIN / "ggml-rpc-server"), "-t", "1",
+            procs.append(subprocess.Popen(["taskset", "-c", "1", str(bin_dir / "ggml-rpc-server"), "-t", "1",
                                            "-H", "127.0.0.1", "-p", str(rport)], stdout=log,
                                           stderr=subprocess.STDOUT, env=env))
             time.sleep(1.0)
@@ -337,16 +341,19 @@ def report(results: dict[str, dict], args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "state" / "models" / "smollm2-135m")
-    ap.add_argument("--gguf", type=Path, default=next((ROOT / "state" / "cache").glob("SmolLM2*.gguf"), None))
+    add_model_flag(ap)
+    ap.add_argument("--gguf", type=Path, default=gguf_file(SMOLLM2_GGUF),
+                    help="the GGUF file llama.cpp runs (default: %(default)s, the model's source as fetched)")
+    add_llama_cpp_flags(ap)
     ap.add_argument("--configs", default="meshd-1,meshd-2,llama-1,llama-rpc-2")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--long", type=int, default=1000, help="tokens of the long prompt and of the chat's history")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rpc-layers", type=int, default=15, help="layers llama.cpp puts on the RPC server")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
+    need_model(args.model)
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         print("bench_pipeline needs taskset and 2 cores", file=sys.stderr)
         return 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from locate import add_model_flag, need_model  # noqa: E402
 from tests.fixtures.daemon import running_node  # noqa: E402
 
 WORDS = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]  # ASCII: no JSON escapes
@@ -65,7 +65,7 @@ class Ticker:
 
 
 async def main(args) -> None:
-    model = Path(args.model or os.environ.get("MESHD_TEST_MODEL_DIR") or "state/models/smollm2-135m")
+    model = need_model(args.model)
     with tempfile.TemporaryDirectory() as state:
         async with running_node(model, Path(state), threads=args.threads) as served, aiohttp.ClientSession() as http:
             tokenizer, context = served.node.serving_parts()
@@ -103,7 +103,7 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
+    add_model_flag(ap)
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--mib", type=float, default=0.95)  # the body stays under max_body_bytes
     ap.add_argument("--threads", type=int, default=2)

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from locate import SMOLLM2_GGUF, add_model_flag, gguf_file, need_model
+
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 48
 STREAMS = 16
@@ -193,8 +195,9 @@ def model_dir_for(name: str, fp32_dir: Path, gguf: Path | None) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(Path.home() / ".cache/meshd-test/models/smollm2-135m"))
-    ap.add_argument("--gguf", default=None, help="the Q4_1 GGUF file (default: the fetch cache)")
+    add_model_flag(ap)
+    ap.add_argument("--gguf", type=Path, default=gguf_file(SMOLLM2_GGUF),
+                    help="the Q4_1 GGUF file (default: %(default)s, the model's source as fetched)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -206,8 +209,8 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    fp32 = Path(a.model)
-    gguf = Path(a.gguf) if a.gguf else next(iter(sorted((fp32.parent.parent / "cache").glob("*.gguf"))), None)
+    fp32 = need_model(a.model)
+    gguf = a.gguf
     runs = {n: ("torch", str(model_dir_for(n, fp32, gguf))) for n in a.configs.split(",")}
     try:
         import llama_cpp  # noqa: F401
@@ -234,7 +237,8 @@ def main() -> None:
             print(f"{n} / llama.cpp: decode x{speed[n]['decode_tok_s'] / ref['decode_tok_s']:.2f}, "
                   f"prefill x{speed[n]['prefill_tok_s'] / ref['prefill_tok_s']:.2f}")
     if not have_llama:
-        print("llama-cpp-python not importable: no llama.cpp run")
+        print("llama.cpp row skipped: " + ("llama-cpp-python is not importable (pip install llama-cpp-python)"
+                                           if gguf else f"no {SMOLLM2_GGUF} in the state dir's cache/ (`make test`)"))
 
 
 if __name__ == "__main__":

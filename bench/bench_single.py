@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from locate import SMOLLM2_GGUF, add_model_flag, gguf_file, need_model
+
 PROMPT_TOKENS = 128
 DECODE_TOKENS = 48
 
@@ -100,8 +102,9 @@ def _run_child(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(Path.home() / ".cache/meshd-test/models/smollm2-135m"))
-    ap.add_argument("--gguf", default=None, help="GGUF file for the llama.cpp comparison")
+    add_model_flag(ap)
+    ap.add_argument("--gguf", type=Path, default=gguf_file(SMOLLM2_GGUF),
+                    help="GGUF file for the llama.cpp comparison (default: %(default)s, the model's source as fetched)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -114,13 +117,13 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    results = [_run_child(["torch", a.model, dt]) for dt in a.dtypes.split(",")]
+    results = [_run_child(["torch", str(need_model(a.model)), dt]) for dt in a.dtypes.split(",")]
     try:
         import llama_cpp  # noqa: F401
         have_llama = True
     except ImportError:
         have_llama = False
-    gguf = a.gguf or next(iter(sorted((Path(a.model).parent.parent / "cache").glob("*.gguf"))), None)
+    gguf = a.gguf
     if have_llama and gguf:
         results.append(_run_child(["llama", str(gguf)]))
     print(f"SmolLM2-135M batch 1, {a.threads} threads, device {a.device}; "
@@ -133,7 +136,10 @@ def main() -> None:
         print(f"{r['engine']} / {base['engine']}: prefill x{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}, "
               f"decode x{r['decode_tok_s'] / base['decode_tok_s']:.2f}")
     if not have_llama:
-        print("llama-cpp-python not importable: llama.cpp comparison skipped")
+        print("llama.cpp comparison skipped: llama-cpp-python is not importable (pip install llama-cpp-python)")
+    elif gguf is None:
+        print(f"llama.cpp comparison skipped: no {SMOLLM2_GGUF} in the state dir's cache/ "
+              "(`make test` fetches it; or --gguf FILE)")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_pipeline as bp  # (the same daemons, client and prompts)
+from locate import OUT, add_model_flag, need_model
 
 from shards.manifest import Manifest
 
@@ -53,14 +54,15 @@ def budgets(manifest: Manifest, k: int) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=bp.ROOT / "state" / "models" / "smollm2-135m")
+    add_model_flag(ap)
     ap.add_argument("--splits", default="10,12,14", help="layers on the supernode, one mesh each")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--long", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=bp.ROOT / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
+    need_model(args.model)
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         print("bench_splits needs taskset and 2 cores", file=sys.stderr)
         return 2

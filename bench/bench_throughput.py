@@ -33,6 +33,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from locate import OUT, SMOLLM2_GGUF, add_model_flag, gguf_file, need_model  # noqa: E402
 from tests.meshlab import MeshLab  # noqa: E402
 from tests.netlab import Lab, netlab_available  # noqa: E402
 
@@ -196,12 +197,13 @@ def plot(results: list[dict], out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "state" / "models" / "smollm2-135m")
+    add_model_flag(ap)
     ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--configs", default="single,mesh3,mesh3-lan,mesh3-wifi")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the plot and figures go (default: %(default)s)")
     args = ap.parse_args()
+    need_model(args.model)
     if not netlab_available():
         print("bench_throughput needs root and ip netns", file=sys.stderr)
         return 2
@@ -230,13 +232,15 @@ def main() -> int:
             if name != "single" and 16 in by[name] and 16 in by["single"]:
                 print(f"   {name} / single at 16 streams = {by[name][16]['tok_s'] / by['single'][16]['tok_s']:.2f}x"
                       " [>= 0.9x]")
-    gguf = next((ROOT / "state" / "cache").glob("*.gguf"), None)
+    gguf = gguf_file(SMOLLM2_GGUF)
     llama = llama_cpp_row(gguf, args.tokens) if gguf else None
     if llama and "single" in by and 1 in by["single"]:
         print(f"   meshd single / llama.cpp at 1 stream = {by['single'][1]['tok_s'] / llama['tok_s']:.2f}x"
               f" (llama.cpp {llama['tok_s']:.1f} tok/s)")
+    elif gguf is None:
+        print(f"   llama.cpp: skipped, no {SMOLLM2_GGUF} in the state dir's cache/ (`make test` fetches it)")
     else:
-        print("   llama.cpp: llama-cpp-python not importable (set LLAMA_CPP_PYTHON to a venv that has it)")
+        print("   llama.cpp: skipped, llama-cpp-python not importable (set LLAMA_CPP_PYTHON to a venv that has it)")
     png = args.out / "throughput.png"
     plot(results, png)
     (args.out / "throughput.json").write_text(json.dumps(results, indent=2))

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from bench_mesh import PROMPT, decode_rate, new_lab, start, stream_timed  # noqa: E402
+from locate import add_model_flag, need_model  # noqa: E402
 from meshd.control.secure import Channel, LocalIdentity  # noqa: E402
 from shards.wire import from_wire, to_wire  # noqa: E402
 from protocol.codec import decode, encode  # noqa: E402
@@ -130,8 +131,7 @@ def phase_mesh(args, work: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_model = Path(os.environ.get("MESHD_TEST_MODEL_DIR") or ROOT / "state" / "models" / "smollm2-135m")
-    p.add_argument("--model", type=Path, default=default_model)
+    add_model_flag(p)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeat", type=int, default=2000, help="runs per frame size in (a)")
@@ -145,8 +145,7 @@ def main() -> int:
     frames = phase_frames(args)
     if args.skip_mesh:
         return 0
-    args.model = args.model.resolve()
-    assert (args.model / "manifest.json").is_file(), f"no model at {args.model} (meshd model fetch smollm2-135m)"
+    args.model = need_model(args.model).resolve()
     work = Path(tempfile.mkdtemp(prefix="bench-transport-"))
     res = phase_mesh(args, work)
     sealed, plain = max(res["rates"]["sealed"]), max(res["rates"]["plaintext"])

@@ -42,6 +42,10 @@ class Config:
     mesh: str = "home"
     secret_file: Path | None = None
     model: str = "smollm2-135m"
+    # Chats render with this template (a built-in name: chatml, llama3, gemma, mistral, phi3,
+    # qwen; or a Jinja file) over the model's own; None: the model's (shards/chat.py). Only
+    # the supernode renders: a member's setting applies once it becomes the supernode.
+    chat_template: str | None = None
     state_dir: Path = field(default_factory=default_state_dir)
     device: str = "auto"
     # torch threads; None: torch's default (all cores). Several daemons on one box
@@ -124,6 +128,8 @@ class Config:
             raise ConfigError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not self.mesh or len(self.mesh) > 63:
             raise ConfigError("mesh: must be 1-63 characters")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ConfigError("chat_template: a built-in name or a file, not empty")
         if self.threads is not None and self.threads < 1:
             raise ConfigError("threads: must be at least 1")
         if self.max_connections < 8:

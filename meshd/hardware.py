@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import resource
 import time
 
 import torch
@@ -30,6 +32,16 @@ def total_ram() -> int:
 def available_ram() -> int:
     available = _meminfo("MemAvailable")
     return available if available is not None else total_ram() // 2
+
+
+def process_rss() -> int:
+    """Resident memory of this process (current, from /proc; peak where there is no /proc):
+    the "used" of the RAM column, this peer's own and, sent in each Pong, its peers'."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def detect_vram(device: str) -> int:

@@ -41,7 +41,16 @@ from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
 from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
-from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost, ProtocolError, Stopping
+from meshd.errors import (
+    KNOWN_ERRORS,
+    BadRequest,
+    ConfigError,
+    ModelError,
+    NoCapacity,
+    PeerLost,
+    ProtocolError,
+    Stopping,
+)
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
@@ -52,6 +61,7 @@ from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
 from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
 from protocol.messages import (
+    NO_CHAT,
     PROTOCOL_VERSION,
     Accept,
     ApiCancel,
@@ -68,6 +78,8 @@ from protocol.messages import (
     Plan,
     Reject,
 )
+from shards.chat import ChatTemplate
+from shards.chat_templates import GivenTemplate, given_template
 from shards.engine import apart, measure_parts, use_threads
 from shards.fetch import list_models
 from shards.manifest import Manifest
@@ -88,6 +100,19 @@ def load_node_id(state_dir: Path) -> NodeId:
     node_id = secrets.token_hex(6)
     path.write_text(node_id + "\n")
     return NodeId(node_id)
+
+
+def chat_template_of(config: Config) -> GivenTemplate | None:
+    """``chat_template`` read and compiled at start: a bad name or file stops the daemon
+    now, not the first chat."""
+    if config.chat_template is None:
+        return None
+    try:
+        given = given_template(config.chat_template)
+        ChatTemplate(given.source, origin=given.origin).check()
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    return given
 
 
 def tls_contexts(config: Config) -> tuple[ssl.SSLContext | None, ssl.SSLContext | bool]:
@@ -118,6 +143,7 @@ class Node:
         self.local_token = secrets.token_hex(32)  # never leaves this process: see local_auth
         self.api_keys = config.load_keys(config.api_key_file)
         self.control_keys = config.load_keys(config.control_key_file)
+        self.chat_template = chat_template_of(config)  # used only while this peer is the supernode
         self.started = time.time()
         self.stopping = False
         self.http: aiohttp.ClientSession | None = None  # made when the node runs (it needs the loop)
@@ -339,15 +365,18 @@ class Node:
 
     # -- the supernode's serving parts --------------------------------------------------
 
-    def _use_model(self, model_dir: Path, manifest: Manifest) -> None:
-        """The supernode's parts that do not split: tokenizer, and the KV admission budget."""
+    def _use_model(self, model_dir: Path, manifest: Manifest) -> str:
+        """The supernode's parts that do not split: tokenizer (with this peer's chat
+        template), and the KV admission budget. Gives the template's origin for the plan
+        (``NO_CHAT``: none)."""
         if self.scheduler.tokenizer is None:
-            self.scheduler.tokenizer = MeshTokenizer.load(model_dir)
+            self.scheduler.tokenizer = MeshTokenizer.load(model_dir, self.chat_template)
         budget = self.config.kv_budget_tokens
         if budget is None:
             per_token = kv_bytes_per_token(manifest.config, torch.float32)
             budget = max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
         self.scheduler.kv_budget_tokens = budget
+        return self.scheduler.tokenizer.template.origin or NO_CHAT
 
     def serves(self) -> bool:
         view = self.view

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from enum import IntEnum
 from functools import cache
 from typing import Any, Callable, get_args, get_origin, get_type_hints
@@ -34,10 +35,12 @@ from .messages import (
     Capabilities,
     Digest,
     ForwardBatch,
+    MAX_ORIGIN,
     Measured,
     Message,
     ModelName,
     NodeId,
+    Plan,
     Segment,
     SessionId,
     WireTensor,
@@ -56,6 +59,7 @@ MAX_ID = 128  # node and session ids
 MAX_LAYERS = 1 << 16  # span ends
 MAX_LAYER_MS = 1e6
 _HEX = frozenset("0123456789abcdef")
+_ORIGIN = re.compile(r"[A-Za-z0-9._:-]*")  # Plan.chat_template
 
 DTYPES = WIRE_DTYPES  # allowed tensor dtypes by wire name -> bytes per element
 
@@ -260,8 +264,15 @@ def _check_measured(m: Measured, f: _Fields) -> None:
         raise ProtocolError(f"{f.where}: model name longer than {MAX_ID}")
 
 
+def _check_plan(p: Plan, f: _Fields) -> None:
+    # A label a member shows (/v1/models), never a path: letters, digits and ._:- only.
+    if len(p.chat_template) > MAX_ORIGIN or not _ORIGIN.fullmatch(p.chat_template):
+        raise ProtocolError(f"{f.where}: chat_template must be a label of at most {MAX_ORIGIN} of [A-Za-z0-9._:-]")
+
+
 _CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, ForwardBatch: _check_batch,
-                                                       Capabilities: _check_caps, Measured: _check_measured}
+                                                       Capabilities: _check_caps, Measured: _check_measured,
+                                                       Plan: _check_plan}
 
 
 def _unpack(data: bytes, max_size: int) -> dict:

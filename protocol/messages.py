@@ -31,6 +31,9 @@ PROTOCOL_VERSION = 2
 MAX_TERM = 2**62
 TERM = {"max": MAX_TERM}
 MAX_POSITION = 2**31  # a session position (a segment's start)
+MAX_MEMORY = 2**56  # bytes of memory a peer may say it uses
+NO_CHAT = "none"  # Plan.chat_template of a supernode that has no chat template
+MAX_ORIGIN = 256  # Plan.chat_template's length
 
 
 # -- nested structures (not frames of their own) ---------------------------------
@@ -124,6 +127,9 @@ class Pong:
     tag: ClassVar[str] = "pong"
     seq: int
     sent: float
+    # The answering peer's resident memory now, bytes (0: an older peer, not known): every
+    # peer's /status shows it beside the total of its Hello, fresh to a heartbeat.
+    ram_used: int = field(default=0, metadata={"max": MAX_MEMORY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,10 @@ class Plan:
     manifest_digest: Digest  # sha256 of manifest.json, so every peer loads the same model
     assignments: tuple[Assignment, ...]  # in layer order
     sources: tuple[NodeId, ...] = ()  # peers that hold the full model, to fetch from
+    # Where the supernode's chat template comes from ("model", a built-in name, "file:NAME",
+    # "chatml-fallback"), NO_CHAT when it has none: members answer /v1/models with it. ""
+    # from an older supernode: not known.
+    chat_template: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,11 @@ them, so that a template renders here as it does there: ``messages``, ``tools``,
 ``documents``, ``add_generation_prompt``, the special tokens (``bos_token``,
 ``eos_token`` ...), ``raise_exception``, ``strftime_now``, a ``tojson`` that does not
 escape HTML, loop controls, and any extra variable a caller passes (``enable_thinking``).
-A model without a template gets ChatML.
+
+Which template (``pick_template``): one the operator gives (``--chat-template``, a built-in
+name or a file: shards/chat_templates.py) over the model's own; a model without one gets
+ChatML only where its vocabulary has ChatML's markers as tokens (SmolLM2's does), else it
+has none, and a chat is refused rather than rendered in a format the model never saw.
 
 Messages are OpenAI's shapes, made what templates expect by ``template_messages``: a
 tool call's ``arguments`` JSON string becomes an object, a null ``content`` an empty text,
@@ -26,6 +30,7 @@ import jinja2.ext
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shards.chat_templates import CHATML, GivenTemplate
 from shards.errors import ModelError
 
 _REASONING = ("reasoning_content", "thinking", "reasoning")
@@ -131,35 +136,42 @@ def template_messages(messages: Sequence[Mapping]) -> list[dict]:
     return out
 
 
-def _chatml(messages: Sequence[Mapping], add_generation_prompt: bool) -> str:
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, str):
-            content = "".join(p.get("text", "") for p in content or () if isinstance(p, dict))
-        parts.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
-    return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
+CHATML_FALLBACK = "chatml-fallback"
 
 
 class ChatTemplate:
-    """A model's chat template (``source``; None: ChatML) and the special tokens it names."""
+    """The template chats render with (``source``; None: none, so no chat), where it came
+    from (``origin``: "model", a built-in name, "file:NAME", "chatml-fallback"; None with
+    no template), and the special tokens it names."""
 
-    def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None):
-        self.source = source
+    def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None,
+                 origin: str | None = "model"):
+        self.source = source or None
+        self.origin = origin if self.source else None
         self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def available(self) -> bool:
+        return self.source is not None
 
     @cached_property
     def _compiled(self) -> jinja2.Template:
         try:
             return _environment().from_string(self.source)
         except jinja2.TemplateError as e:
-            raise ModelError(f"the model's chat template does not compile: {e}") from None
+            raise ModelError(f"the chat template ({self.origin}) does not compile: {e}") from None
+
+    def check(self) -> None:
+        """ModelError now, rather than at the first chat, where the template does not compile."""
+        if self.source:
+            self._compiled  # noqa: B018 (compiled once, kept)
 
     @cached_property
     def variables(self) -> frozenset[str]:
         """The names the template reads from its caller."""
         if not self.source:
-            return frozenset({"messages", "add_generation_prompt"})
+            return frozenset()
         return frozenset(meta.find_undeclared_variables(_environment().parse(self.source)))
 
     @property
@@ -170,14 +182,26 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
                add_generation_prompt: bool = True, documents: Sequence[Mapping] | None = None, **extra) -> str:
-        msgs = template_messages(messages)
         if not self.source:
-            if tools:
-                raise ModelError("this model has no chat template, so no way to give it tools")
-            return _chatml(msgs, add_generation_prompt)
+            raise ModelError("this model has no chat template")
+        msgs = template_messages(messages)
         try:
             return self._compiled.render(
                 **self.special_tokens, **_plain(extra), messages=msgs, tools=_plain(tools),
                 documents=_plain(documents), add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:  # raise_exception() in the template, a sandbox refusal, ...
             raise ModelError(f"chat template: {e}") from None
+
+
+def pick_template(own: str | None, given: GivenTemplate | None, has_chatml: bool,
+                  special_tokens: Mapping[str, str] | None = None) -> ChatTemplate:
+    """The template a model's chats render with: the one given (``--chat-template``), else
+    the model's own, else ChatML where the vocabulary has ``<|im_start|>`` and ``<|im_end|>``
+    as tokens, else none."""
+    if given is not None:
+        return ChatTemplate(given.source, special_tokens, given.origin)
+    if own:
+        return ChatTemplate(own, special_tokens, "model")
+    if has_chatml:
+        return ChatTemplate(CHATML, special_tokens, CHATML_FALLBACK)
+    return ChatTemplate(None, special_tokens, None)

@@ -30,7 +30,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from shards.errors import ModelError
-from shards.chat import ChatTemplate
+from shards.chat import CHATML_MARKERS, pick_template
+from shards.chat_templates import GivenTemplate
 from shards.manifest import TOKENIZER_FILE, Manifest
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -240,7 +241,8 @@ class StreamDecoder:
 class MeshTokenizer:
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
                  eos_ids: frozenset[int] = frozenset(), bos_id: int | None = None,
-                 special_tokens: Mapping[str, str] | None = None):
+                 special_tokens: Mapping[str, str] | None = None, given_template: GivenTemplate | None = None):
+        """``chat_template``: the model's own; ``given_template``: one the operator chose over it."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_id = bos_id
@@ -253,10 +255,11 @@ class MeshTokenizer:
         if "eos_token" not in specials and eos_ids:
             specials["eos_token"] = tokenizer.id_to_token(min(eos_ids))
         self.special_tokens = specials
-        self.template = ChatTemplate(chat_template, specials)
+        has_chatml = all(tokenizer.token_to_id(t) is not None for t in CHATML_MARKERS)
+        self.template = pick_template(chat_template, given_template, has_chatml, specials)
 
     @classmethod
-    def load(cls, model_dir: Path) -> MeshTokenizer:
+    def load(cls, model_dir: Path, given_template: GivenTemplate | None = None) -> MeshTokenizer:
         model_dir = Path(model_dir)
         path = model_dir / TOKENIZER_FILE
         if not path.is_file():
@@ -266,7 +269,8 @@ class MeshTokenizer:
         c = manifest.config
         if tok.get_vocab_size() > c.vocab_size:
             raise ModelError(f"tokenizer has {tok.get_vocab_size()} tokens, the model only {c.vocab_size}")
-        return cls(tok, manifest.chat_template, frozenset(c.eos_token_ids), c.bos_token_id, manifest.special_tokens)
+        return cls(tok, manifest.chat_template, frozenset(c.eos_token_ids), c.bos_token_id, manifest.special_tokens,
+                   given_template)
 
     @property
     def vocab_size(self) -> int:
@@ -302,8 +306,9 @@ class MeshTokenizer:
 
     def render_chat(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
                     add_generation_prompt: bool = True, **extra) -> str:
-        """The prompt text of a chat: the model's own template (with ``tools`` where given,
-        and any variable the template reads, such as ``enable_thinking``), else ChatML."""
+        """The prompt text of a chat through its template (shards/chat.py's ``pick_template``),
+        with ``tools`` where given and any variable the template reads (``enable_thinking``);
+        ModelError where the model has none."""
         return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
 
     def encode_chat(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, **extra) -> list[int]:

@@ -81,7 +81,7 @@ async def mesh(tiny_model_dir, tmp_path):
         store = store_for(cfg, view, tiny_model_dir)
         pipeline = Pipeline()
         leader = Leader(cfg, view, store, pipeline, spawn=tasks.spawn, local_runner=LocalRunner,
-                        use_model=lambda model_dir, manifest: None, busy=lambda: False)
+                        use_model=lambda model_dir, manifest: "model", busy=lambda: False)
         for p in peers:
             p.leader = leader
         tasks.spawn(leader.run())

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from meshd.tools.meshctl import format_status
 from shards.manifest import Manifest
 from tests.fixtures.daemon import (
     daemon_env,
@@ -184,7 +185,7 @@ def test_status_table_reads_right_from_either_peer(mesh, tiny_model_dir):
         assert (alpha["NAME"], alpha["ROLE"], alpha["STATE"]) == ("alpha", "supernode", "ready"), alpha
         assert (beta["NAME"], beta["ROLE"], beta["STATE"]) == ("beta", "stage", "ready"), beta
         assert alpha["DEVICE"] == beta["DEVICE"] == "cpu"
-        # RAM in use of total for both, the other peer's asked of it directly.
+        # RAM in use of total for both, the other peer's as it reports it (in its Pongs).
         for r in (alpha, beta):
             assert re.fullmatch(r"\d+\.\d (MiB|GiB)/\d+\.\d GiB", r["RAM"]), r
             assert r["VRAM"].endswith("GiB")  # advertised, none in use on a CPU peer
@@ -195,6 +196,25 @@ def test_status_table_reads_right_from_either_peer(mesh, tiny_model_dir):
         other = b_id if url == a.url else a_id
         assert re.fullmatch(r"\d+\.\d\d ms", rows[other]["RTT"]), rows[other]
         assert f"{a_id}[" in out.stdout and f"{b_id}[" in out.stdout  # the plan line
+
+
+def test_every_peer_reports_its_ram_in_use(mesh):
+    """Each peer's /status carries every peer's RAM in use (reported in its Pongs), so the
+    table reads used/total for all from the one answer, with no peer asked directly (a
+    peer meshctl cannot reach, behind a firewall or TLS, still shows it)."""
+    a, b = mesh
+    own = {s["node"]["id"]: s["node"]["memory"]["rss"] for s in (status_json(a.url), status_json(b.url))}
+    for url in (a.url, b.url):
+        status = status_json(url)
+        assert len(status["peers"]) == 2
+        for p in status["peers"]:
+            assert isinstance(p["ram_used"], int) and 0 < p["ram_used"] < p["ram"], p
+            # the peer's own figure, not the asked peer's: within what a second of serving moves it
+            assert abs(p["ram_used"] - own[p["id"]]) < own[p["id"]] * 0.25, (p, own)
+        rows = table(format_status(status))
+        assert len(rows) == 2
+        for r in rows:
+            assert re.fullmatch(r"\d+\.\d (MiB|GiB)/\d+\.\d GiB", r["RAM"]), r
 
 
 def test_status_json_and_watch(mesh):

@@ -51,12 +51,12 @@ SAMPLES = [
     Hello(PROTOCOL_VERSION, NodeId("node-a"), "home", "box-a", CAPS, plaintext=1),
     ApiCancel(req=4),
     Ping(seq=7, sent=12345.678),
-    Pong(seq=7, sent=12345.678),
+    Pong(seq=7, sent=12345.678, ram_used=412 * 2**20),
     Bye(reason="shutting down"),
     Plan(
         term=3, supernode=NodeId("a"), model="smollm2-135m", manifest_digest="ab" * 32,
         assignments=(Assignment(NodeId("a"), Span(0, 10)), Assignment(NodeId("b"), Span(10, 30))),
-        sources=(NodeId("a"),),
+        sources=(NodeId("a"),), chat_template="gemma",
     ),
     Accept(term=3, span=Span(10, 30)),
     Reject(term=3, reason="stale term: this peer is at term 5", capacity=1024, code=RejectCode.STALE_TERM,
@@ -176,6 +176,12 @@ def test_missing_fields_with_defaults_take_them():
     f = frame(SAMPLES[0])
     del f["caps"]["models"]
     assert decode(pack(f)).caps == dataclasses.replace(CAPS, models=())
+    f = frame(SAMPLES[3])  # an older peer's Pong: its memory in use is not known
+    del f["ram_used"]
+    assert decode(pack(f)) == Pong(seq=7, sent=12345.678, ram_used=0)
+    f = frame(SAMPLES[5])  # an older supernode's Plan: its chat template is not known
+    del f["chat_template"]
+    assert decode(pack(f)).chat_template == ""
 
 
 def test_a_reject_without_a_code_or_with_an_unknown_one_reads_as_other():
@@ -250,6 +256,13 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (SAMPLES[6], ("span",), [5, 5], "bad span"),
         (SAMPLES[7], ("capacity",), "lots", "expected int"),
         (SAMPLES[2], ("sent",), "now", "finite float"),
+        (SAMPLES[3], ("ram_used",), -1, "outside"),
+        (SAMPLES[3], ("ram_used",), 2**60, "outside"),
+        (SAMPLES[3], ("ram_used",), "1 GiB", "expected int"),
+        (PLAN, ("chat_template",), 7, "expected str"),
+        (PLAN, ("chat_template",), "x" * 257, "chat_template must be a label"),
+        (PLAN, ("chat_template",), "file:../../etc/passwd", "chat_template must be a label"),
+        (PLAN, ("chat_template",), "gemma\n", "chat_template must be a label"),
         (FWD, ("hidden",), b"raw", "tensor must be a map"),
         (FWD, ("hidden", "dtype"), "float64", "dtype 'float64' not allowed"),
         (FWD, ("hidden", "dtype"), "bool", "not allowed"),

@@ -63,7 +63,7 @@ class PlanSink(Protocol):
 class Leader:
     def __init__(self, config: Config, view: MeshView, store: ModelStore, pipeline: PlanSink, *,
                  spawn: Callable[[Coroutine], asyncio.Task], local_runner: Callable[[StageEngine], StageRunner],
-                 use_model: Callable[[Path, Manifest], None], busy: Callable[[], bool],
+                 use_model: Callable[[Path, Manifest], str], busy: Callable[[], bool],
                  isolated_since: Callable[[], float | None] = lambda: None):
         self.config = config
         self.view = view
@@ -71,7 +71,7 @@ class Leader:
         self.pipeline = pipeline
         self.spawn = spawn
         self.local_runner = local_runner  # this peer's span behind the pipeline's interface
-        self.use_model = use_model  # the supernode's parts that do not split (tokenizer, KV budget)
+        self.use_model = use_model  # the supernode's parts that do not split (tokenizer, KV budget): its chat template
         self.busy = busy  # whether streams are in flight on this peer
         self.isolated_since = isolated_since  # when every link was lost at once (monotonic), or None
         self._isolation_check: asyncio.Task | None = None
@@ -195,7 +195,7 @@ class Leader:
             log.error("supernode_no_model", error=str(exc))
             await self._cannot_serve(NotServing.NO_MODEL, f"the supernode has no model: {exc}")
             return
-        self.use_model(model_dir, manifest)
+        chat_template = self.use_model(model_dir, manifest)
         excluded: dict[NodeId, str] = {}
         view_retries = 0
         while True:
@@ -213,7 +213,8 @@ class Leader:
                 await self._cannot_serve(NotServing.NO_ROOM, str(exc))
                 return
             log.info("planning", term=term, reason=reason)
-            plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources())
+            plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources(),
+                        chat_template=chat_template)
             log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments),
                      stage_ms=" ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs)),
                      head_ms=round(costs.head_ms, 2))

@@ -23,6 +23,7 @@ from aiohttp import WSMsgType
 
 from meshd.control.secure import CLOSE_AUTH, WS, Channel, Forged  # noqa: F401 (CLOSE_AUTH: the handshake's code, listed with ours)
 from meshd.errors import PeerLost, ProtocolError, StageFailed
+from meshd.hardware import process_rss
 from protocol.codec import decode, encode
 from protocol.messages import (
     ApiReply,
@@ -78,6 +79,7 @@ class Link:
         self.max_frame = max_frame
         self.state = LinkState.READY
         self.rtt_ms: float | None = None
+        self.ram_used: int | None = None  # the peer's resident memory, from its last Pong
         self.last_heard = time.monotonic()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -177,9 +179,10 @@ class Link:
                 msg = decode(data, max_size=self.max_frame)
                 match msg:
                     case Ping(seq=seq, sent=sent):
-                        await self.send(Pong(seq, sent))
-                    case Pong(sent=sent):
+                        await self.send(Pong(seq, sent, process_rss()))
+                    case Pong(sent=sent, ram_used=ram_used):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
+                        self.ram_used = ram_used or None
                     case ResultBatch(req=req, hidden=hidden):
                         self._settle(req, from_wire(hidden))
                     case Fail(req=req, reason=reason):

@@ -42,6 +42,7 @@ from meshd.serving.openai import (
 )
 from meshd.serving.proxy import Handoff, proxy_completion
 from meshd.serving.scheduler import Usage
+from protocol.messages import NO_CHAT
 from shards import grammar
 
 log = structlog.get_logger()
@@ -373,7 +374,22 @@ def _model_json(node: Daemon) -> dict:
     manifest = node.store.manifest
     context = manifest.config.max_position if manifest is not None else None
     return {"id": node.model_name, "object": "model", "owned_by": "meshd", "created": 0,
-            "context_length": context, "max_model_len": context}
+            "context_length": context, "max_model_len": context, **_chat_json(node)}
+
+
+def _chat_json(node: Daemon) -> dict:
+    """Whether /v1/chat/completions works, and with which template (meshd's fields): the
+    supernode renders chats, so its own tokenizer's, else what its plan said; null: not
+    known yet (no plan)."""
+    tokenizer = node.scheduler.tokenizer if node.view.is_supernode else None
+    plan = node.view.plan
+    if tokenizer is not None:
+        origin = tokenizer.template.origin
+    elif plan is not None and plan.chat_template:
+        origin = None if plan.chat_template == NO_CHAT else plan.chat_template
+    else:
+        return {"chat": None, "chat_template": None}
+    return {"chat": origin is not None, "chat_template": origin}
 
 
 async def models(request: web.Request) -> web.Response:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import os
-import resource
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -25,6 +23,7 @@ CLIENT_CLOSED = 499
 CLIENT_GONE = web.RequestKey("client_gone", bool)  # set by a stream whose client hung up
 
 from meshd.control.mesh import MeshView, PeerState
+from meshd.hardware import process_rss
 from meshd.serving.batch import batch_families
 
 # Seconds; a CPU decode step is 15-75 ms, a cold prefill can take seconds.
@@ -54,15 +53,6 @@ class RateWindow:
     def rate(self) -> float:
         self._trim()
         return sum(n for _, n in self._events) / self.window
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process (current, from /proc; peak where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def vram_used_bytes(device: str) -> int | None:
@@ -127,7 +117,7 @@ class NodeMetrics:
     def status_fields(self) -> dict:
         """Memory in use and recent throughput, for /status (meshctl's table, the dashboard)."""
         return {
-            "memory": {"rss": rss_bytes(), "vram_used": vram_used_bytes(self.device)},
+            "memory": {"rss": process_rss(), "vram_used": vram_used_bytes(self.device)},
             "tokens_per_s": round(self.token_rate.rate(), 2),
             "forward_tokens_per_s": round(self.row_rate.rate(), 2),
         }
@@ -209,7 +199,7 @@ class _StateCollector:
         yield recv
 
         mem = GaugeMetricFamily("meshd_memory_bytes", "Memory in use by this process", labels=["kind"])
-        mem.add_metric(["rss"], rss_bytes())
+        mem.add_metric(["rss"], process_rss())
         vram = vram_used_bytes(self.device)
         if vram is not None:
             mem.add_metric(["vram"], vram)

@@ -16,6 +16,7 @@ from meshd.errors import BadRequest, ModelError
 from meshd.serving import toolcalls
 from meshd.serving.scheduler import Priority
 from shards import grammar
+from shards.chat_templates import BUILTIN
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.tokenizer import MeshTokenizer
 
@@ -25,6 +26,10 @@ MAX_PROMPTS = 16  # prompts of one batched completion request
 MAX_OUTPUTS = 32  # prompts x n
 MAX_LOGPROBS_COMPLETIONS = 5
 MAX_TOOLS = 64
+
+NO_TEMPLATE = ("this model has no chat template, so there is no telling how it expects a chat: start meshd "
+               f"(the supernode) with --chat-template NAME|FILE ({', '.join(BUILTIN)}, or a Jinja file), "
+               "or send a plain prompt to /v1/completions")
 
 # What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
@@ -365,6 +370,8 @@ def parse_request(
     grammar_text = None
     texts: tuple[str, ...] = ()
     if chat:
+        if not tokenizer.template.available:
+            raise BadRequest(NO_TEMPLATE, code="chat_template_missing")
         messages = _chat_messages(body)
         tools = _tools(body, tokenizer.template)
         grammar_text = _response_format(body)

@@ -46,13 +46,15 @@ def build_status(node: Daemon) -> dict:
     }
     peers = [{
         "id": node.node_id, "name": node.config.name, "addr": me["addr"], "role": me["role"],
-        "device": node.device, "vram": caps.vram, "ram": caps.ram, "layers": me["layers"],
-        "state": view.state(node.node_id), "rtt_ms": 0.0, "self": True, "measured": _measured(caps.measured),
+        "device": node.device, "vram": caps.vram, "ram": caps.ram, "ram_used": me["memory"]["rss"],
+        "layers": me["layers"], "state": view.state(node.node_id), "rtt_ms": 0.0, "self": True,
+        "measured": _measured(caps.measured),
     }]
     for pid, link in sorted(view.links.items()):
         peers.append({
             "id": pid, "name": link.hello.name, "addr": f"{link.addr}:{link.caps.api_port}",
             "role": view.role(pid), "device": link.caps.device, "vram": link.caps.vram, "ram": link.caps.ram,
+            "ram_used": link.ram_used,  # its resident memory, from its last Pong (None: not heard yet)
             "layers": view.span_of(pid), "state": view.state(pid),
             "rtt_ms": round(link.rtt_ms, 3) if link.rtt_ms is not None else None,
             "measured": _measured(view.measured.get(pid, link.caps.measured)),
@@ -61,7 +63,7 @@ def build_status(node: Daemon) -> dict:
         caps_lost = lost.hello.caps
         peers.append({
             "id": pid, "name": lost.hello.name, "addr": f"{lost.addr}:{caps_lost.api_port}", "role": Role.IDLE,
-            "device": caps_lost.device, "vram": caps_lost.vram, "ram": caps_lost.ram, "layers": None,
+            "device": caps_lost.device, "vram": caps_lost.vram, "ram": caps_lost.ram, "ram_used": None, "layers": None,
             "state": PeerState.LOST, "rtt_ms": None, "lost_reason": lost.reason,
             "lost_s": round(time.time() - lost.since, 1),
         })

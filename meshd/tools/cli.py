@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--mesh", help="mesh name; peers of other meshes are ignored")
     run.add_argument("--secret-file", type=Path, help="file holding the mesh secret")
     run.add_argument("--model", help="model name (in the state dir) or model directory")
+    run.add_argument("--chat-template", metavar="NAME|FILE",
+                     help="chat template over the model's own: chatml, llama3, gemma, mistral, phi3, qwen, or a "
+                          "Jinja file (a model without one, and without ChatML tokens, refuses chat otherwise)")
     _add_state_dir(run)
     run.add_argument("--device", choices=DEVICES)
     run.add_argument("--dtype", choices=DTYPES)

@@ -86,8 +86,9 @@ def _rate(node: dict | None, role: str) -> str:
 
 
 def format_status(status: dict, details: dict[str, dict] | None = None) -> str:
-    """The status table. ``details`` maps peer id to that peer's own /status ``node``
-    section (memory in use, tokens/s); this peer's own row always has it."""
+    """The status table. Each peer's RAM in use is in ``status`` (peers report it); ``details``
+    maps peer id to that peer's own /status ``node`` section (VRAM in use, tokens/s, and RAM
+    from a peer too old to report it); this peer's own row always has it."""
     details = dict(details or {})
     if status.get("node"):
         details.setdefault(status["node"]["id"], status["node"])
@@ -103,7 +104,7 @@ def format_status(status: dict, details: dict[str, dict] | None = None) -> str:
         rows.append([
             p["id"] + (" *" if p.get("self") else ""), p.get("name") or "-", p.get("addr") or "-", p["role"],
             p.get("device") or "-", used_of(memory.get("vram_used"), p.get("vram")),
-            used_of(memory.get("rss"), p.get("ram")),
+            used_of(p.get("ram_used") or memory.get("rss"), p.get("ram")),
             f"{layers[0]}-{layers[1]}" if layers else "-", p["state"],
             "-" if rtt is None else f"{rtt:.2f} ms", _rate(mine, p["role"]),
         ])
