@@ -8,18 +8,22 @@ import time
 import pytest
 
 from meshd.control.timing import StepTimes
-from meshd.serving.traces import Trace, TraceContext, TraceStore
+from meshd.serving.traces import Chain, Trace, TraceContext, TraceStore
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
 
 
-def step(began: float, ended: float, **parts: float) -> StepTimes:
+def step(began: float, ended: float, chain: Chain | None = None, **parts: float) -> StepTimes:
+    """A step that ran from ``began`` to ``ended`` with these parts (``stage_a=0.01``),
+    linked into ``chain`` (its lane) when given."""
     st = StepTimes()
     st.began, st.ended = began, ended
     for key, seconds in parts.items():
         kind, node = key.split("_")
         st.add(kind, node, seconds)
+    if chain is not None:
+        chain.link(st)
     return st
 
 
@@ -37,16 +41,20 @@ def test_a_stage_cannot_claim_more_than_its_call_took():
     assert st.calls == {"b": 1, "c": 1, "a": 1}
 
 
-def test_phases_add_up_to_the_wall_time_split_at_the_first_token():
+@pytest.mark.parametrize("lane", [False, True], ids=["steps-alone", "lane-runs"])
+def test_phases_add_up_to_the_wall_time_split_at_the_first_token(lane):
+    """The same steps give the same phases whether a session adds them up one by one or
+    as runs of its lane's steps."""
     now = time.monotonic()
+    chain = Chain("a") if lane else None
     t = Trace("r1", TraceContext(TRACE_ID, SPAN), "/v1/completions", "a")
     t.arrived = now - 1.0
     t.admitted = t.last_end = now - 0.99
     # Prefill: waits 10 ms, then a step of 100 ms: 60 ms stage a, 30 ms stage b + hop, 10 ms unaccounted.
-    t.stepped(step(now - 0.98, now - 0.88, stage_a=0.06, stage_b=0.02, hop_b=0.01), token=True)
+    t.stepped(step(now - 0.98, now - 0.88, chain, stage_a=0.06, stage_b=0.02, hop_b=0.01), token=True)
     # Decode: two steps whose parts ran side by side (200 ms of work in 100 ms), 20 ms apart.
-    t.stepped(step(now - 0.80, now - 0.70, stage_a=0.1, stage_b=0.1), token=True)
-    t.stepped(step(now - 0.68, now - 0.58, stage_a=0.05, sample_a=0.01), token=True)
+    t.stepped(step(now - 0.80, now - 0.70, chain, stage_a=0.1, stage_b=0.1), token=True)
+    t.stepped(step(now - 0.68, now - 0.58, chain, stage_a=0.05, sample_a=0.01), token=True)
     t.end(200)
     got = phases(t)
     assert sum(p["ms"] for p in got.values()) == pytest.approx(t.wall_s * 1000, abs=1e-3)
@@ -64,16 +72,43 @@ def test_phases_add_up_to_the_wall_time_split_at_the_first_token():
         ["admit", "queue", "stage", "stage", "hop", "sample", "scheduler", "stream"]
 
 
-def test_a_long_generation_is_folded_as_it_goes():
+def test_a_session_left_out_of_a_step_or_moved_to_another_lane_counts_only_its_own():
+    """Runs break where a session skips a step of its lane (a batch session left out) or
+    changes lane: the step it missed is queue to it, and another lane's sums are not its."""
     now = time.monotonic()
+    lane, other = Chain("a"), Chain("a")
+    t = Trace("r4", TraceContext(TRACE_ID, SPAN), "/v1/completions", "a")
+    t.arrived = t.admitted = t.last_end = now - 1.0
+    other_step = step(now - 1.0, now - 0.9, other, stage_a=0.1)  # a step of another lane, before it came
+    del other_step
+    t.stepped(step(now - 0.9, now - 0.8, other, stage_a=0.1), token=True)  # its first token, in lane "other"
+    t.stepped(step(now - 0.8, now - 0.7, lane, stage_a=0.1), token=True)  # a decode lane from here on
+    step(now - 0.7, now - 0.6, lane, stage_a=0.1)  # left out of this one
+    t.stepped(step(now - 0.6, now - 0.5, lane, stage_a=0.1), token=True)
+    t.stepped(step(now - 0.5, now - 0.4, lane, stage_a=0.1), token=True)
+    t.end(200)
+    got = phases(t)
+    assert got[("stage", "a")]["prefill_ms"] == pytest.approx(100.0, abs=1e-3)
+    assert got[("stage", "a")]["decode_ms"] == pytest.approx(300.0, abs=1e-3)
+    assert got[("queue", "a")]["decode_ms"] == pytest.approx(100.0, abs=1e-3)  # the step it sat out
+    assert sum(p["ms"] for p in got.values()) == pytest.approx(t.wall_s * 1000, abs=1e-3)
+    assert t.n_steps == 4
+
+
+def test_a_long_generation_costs_a_session_no_memory_per_step():
+    now = time.monotonic()
+    lane = Chain("a")
     t = Trace("r2", TraceContext(TRACE_ID, SPAN), "/v1/completions", "a")
     t.arrived = t.admitted = t.last_end = now - 10.0
     for i in range(1000):
-        t.stepped(step(now - 10.0 + i * 0.005, now - 10.0 + i * 0.005 + 0.004, stage_a=0.004), token=True)
-    assert len(t.steps) < 300  # references to shared steps, not one per token forever
+        t.stepped(step(now - 10.0 + i * 0.005, now - 10.0 + i * 0.005 + 0.004, lane, stage_a=0.004), token=True)
+        if i == 500:
+            assert t.to_json()["phases"]  # read while it runs: what it has so far
+    assert not hasattr(t, "__dict__") and t.run_last is not None  # a run: its ends, not its steps
     t.end(200)
     got = phases(t)
     assert got[("stage", "a")]["ms"] == pytest.approx(4000.0, abs=1e-2)
+    assert got[("queue", "a")]["ms"] == pytest.approx(999 * 1.0, abs=1e-2)  # 1 ms between steps
     assert sum(p["ms"] for p in got.values()) == pytest.approx(t.wall_s * 1000, abs=1e-3)
 
 

@@ -23,13 +23,19 @@ class StepTimes:
     part, by (kind, node). Parts of sibling tasks add up past the step's length where
     they overlapped (a wave, a wavefront prefill); ``serving/traces.py`` scales them."""
 
-    __slots__ = ("began", "ended", "parts", "calls")
+    __slots__ = ("began", "ended", "parts", "calls", "chain", "seq", "base", "sums")
 
     def __init__(self) -> None:
         self.began = time.monotonic()
         self.ended = 0.0
         self.parts: dict[Key, float] = {}
         self.calls: dict[str, int] = {}  # forwards through each node's span
+        # Its place in its lane's running sums, set by serving/traces.Chain.link: which lane,
+        # its number there, and those sums before and after it (None: a step of no lane).
+        self.chain: object = None
+        self.seq = 0
+        self.base: dict | None = None
+        self.sums: dict | None = None
 
     def add(self, kind: str, node: str, seconds: float) -> None:
         if seconds > 0.0:

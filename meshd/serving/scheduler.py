@@ -27,6 +27,7 @@ from meshd.control.timing import StepTimes
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
+from meshd.serving.traces import Chain
 from shards.engine import URGENT
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
@@ -140,7 +141,7 @@ def rotate_batch(sessions: list[Session], stepped: list[Session]) -> list[Sessio
 
 
 class Lane:
-    def __init__(self, index: int, first_tokens: bool = False):
+    def __init__(self, index: int, first_tokens: bool = False, node: str = ""):
         self.index = index
         # The lane that gives new sessions their first token, in steps of their own, before
         # they join a decode lane (see Scheduler._enqueue).
@@ -148,6 +149,7 @@ class Lane:
         self.sessions: list[Session] = []
         self.wake = asyncio.Event()
         self.steps = 0
+        self.chain = Chain(node)  # its steps' running sums, for its sessions' timelines
 
 
 class Scheduler:
@@ -159,7 +161,8 @@ class Scheduler:
         self.on_finished = on_finished  # after each generation ends (a drain waits for none to be left)
         self.active: dict[str, Session] = {}
         # The decode lanes, then the first-token lane (last: ``_enqueue`` slices the decode ones).
-        self.lanes = [Lane(i) for i in range(MAX_LANES)] + [Lane(MAX_LANES, first_tokens=True)]
+        self.lanes = ([Lane(i, node=pipeline.node) for i in range(MAX_LANES)]
+                      + [Lane(MAX_LANES, first_tokens=True, node=pipeline.node)])
         self.reserved_tokens = 0
         self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
         self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
@@ -211,6 +214,7 @@ class Scheduler:
                     if s.finished:
                         await self._release(s)
             lane.steps += 1
+            lane.chain.link(times)
             if len(batch) > 1:
                 self.shared_steps += 1
             self.max_batch = max(self.max_batch, len(batch))

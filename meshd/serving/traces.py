@@ -3,9 +3,12 @@ hundred requests; and the W3C trace context (``traceparent``) each request carri
 
 A ``Trace`` is one completion request on this peer. On the supernode it holds the
 moments that split its wall time: arrival, admission (body read, tokenized, KV
-reserved), each step that carried its first choice (``control/timing.StepTimes``,
-shared with the other sessions of the step, so a step costs a session one list
-append), and the end. Folded, that gives a partition of the wall time into phases:
+reserved), the steps that carried its first choice (``control/timing.StepTimes``,
+shared with the other sessions of the step), and the end. A lane keeps running sums
+of its steps (``Chain``), so a session that rides a run of its lane's steps in a row
+adds them up with one subtraction when the run ends (it changes lane, is left out of
+a step, gets its first token, ends): a step costs a session a few attribute reads,
+not a sum per part. That gives a partition of the wall time into phases:
 
 - ``admit``: arrival to admission (the body, tokenizing, the KV reservation)
 - ``queue``: admitted, waiting for a step that carries it (before its first, between two)
@@ -19,7 +22,7 @@ append), and the end. Folded, that gives a partition of the wall time into phase
 
 each split into its prefill part (until the first token) and its decode part. Steps
 whose parts ran side by side (a wave, a pipelined prefill) are scaled to their length,
-so the phases always add up to the wall time; ``overlap_s`` says by how much they ran
+so the phases always add up to the wall time; ``overlap_ms`` says by how much they ran
 in parallel. An entry peer keeps a short record of the requests it proxied and merges
 it with the supernode's trace when asked (``serving/observe.py``).
 """
@@ -27,6 +30,7 @@ it with the supernode's trace when asked (``serving/observe.py``).
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import secrets
 import time
@@ -36,9 +40,9 @@ from dataclasses import dataclass
 from meshd.control.timing import HOP, SAMPLE, STAGE, WAIT, Key, StepTimes
 
 KEEP = 256  # finished requests kept, newest first out
-FOLD_EVERY = 256  # steps a running trace holds before folding them into its sums
 TTFT_WINDOW_S = 60.0  # live TTFT percentiles: first tokens of the last minute
 ADMIT, QUEUE, SCHEDULER, STREAM, PROXY = "admit", "queue", "scheduler", "stream", "proxy"
+OVERLAP: Key = ("overlap", "")  # in a chain's sums: seconds of parts that ran side by side
 KIND_ORDER = {ADMIT: 0, QUEUE: 1, WAIT: 2, STAGE: 2, HOP: 2, SAMPLE: 3, SCHEDULER: 4, STREAM: 5, PROXY: 6}
 PER_STAGE = {WAIT: 0, STAGE: 1, HOP: 2}  # within one peer's block, in the order a call sees them
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -91,7 +95,8 @@ class Trace:
 
     __slots__ = ("request_id", "ctx", "path", "node", "entry", "supernode", "proxied", "started", "arrived",
                  "admitted", "ended", "first_step", "first_token", "status", "prompt_tokens",
-                 "completion_tokens", "steps", "n_steps", "parts", "last_end", "overlap", "sessions")
+                 "completion_tokens", "n_steps", "prefill", "decode", "last_end", "run_base", "run_last",
+                 "overlap", "sessions")
 
     def __init__(self, request_id: str, ctx: TraceContext, path: str, node: str, entry: str | None = None):
         self.request_id = request_id
@@ -110,10 +115,12 @@ class Trace:
         self.status: int | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
-        self.steps: list[StepTimes] = []  # not yet folded
         self.n_steps = 0
-        self.parts: dict[Key, list[float]] = {}  # (kind, node) -> [prefill s, decode s]
-        self.last_end = 0.0  # end of the last folded step (or admission)
+        self.prefill: dict[Key, float] = {}  # (kind, node) -> seconds, until the first token
+        self.decode: dict[Key, float] = {}  # and after it
+        self.last_end = 0.0  # end of the last step added up (or admission)
+        self.run_base: dict | None = None  # the chain's sums before the run of steps it rides now
+        self.run_last: StepTimes | None = None  # the last step of that run
         self.overlap = 0.0
         self.sessions: list = []  # its choices' sessions, for the token counts
 
@@ -124,44 +131,49 @@ class Trace:
 
     def stepped(self, times: StepTimes, token: bool) -> None:
         """A step (or a pipelined prefill) that carried this request's first choice;
-        ``token``: it gave a token."""
-        if self.first_step is None:
-            self.first_step = times.began
-        self.steps.append(times)
+        ``token``: it gave a token. The hot path: most calls only move ``run_last``."""
+        if self.ended is not None:  # its answer ended while the step's lane still held it
+            return
         self.n_steps += 1
+        last = self.run_last
+        if last is not None and times.chain is last.chain and times.seq == last.seq + 1:
+            self.run_last = times  # the next step of its lane: still the same run
+        else:
+            if self.first_step is None:
+                self.first_step = times.began
+            prefill = self.first_token is None
+            self._close_run(prefill)
+            if times.began > self.last_end:  # waiting for this step
+                self._add(QUEUE, self.node, times.began - self.last_end, prefill)
+            if times.sums is None:  # a step of no lane (a pipelined prefill): on its own
+                for key, seconds in shares(times, self.node):
+                    self._add(*key, seconds, prefill)
+                self.last_end = max(self.last_end, times.ended)
+            else:
+                self.run_base, self.run_last = times.base, times
         if token and self.first_token is None:
-            self._fold(prefill=True)
+            self._close_run(prefill=True)
             self.first_token = times.ended
-        elif len(self.steps) >= FOLD_EVERY:
-            self._fold(prefill=self.first_token is None)
 
     def _add(self, kind: str, node: str, seconds: float, prefill: bool) -> None:
         if seconds > 0.0:
-            slot = self.parts.get((kind, node))
-            if slot is None:
-                slot = self.parts[(kind, node)] = [0.0, 0.0]
-            slot[0 if prefill else 1] += seconds
+            sums = self.prefill if prefill else self.decode
+            if kind == OVERLAP[0]:
+                self.overlap += seconds
+            else:
+                sums[(kind, node)] = sums.get((kind, node), 0.0) + seconds
 
-    def _fold(self, prefill: bool) -> None:
-        """The steps held so far into the sums: the gap before each is queue, its parts
-        scaled to its length where they overlapped, its rest the scheduler's."""
-        for st in self.steps:
-            began, ended = max(st.began, self.last_end), max(st.ended, st.began)
-            self._add(QUEUE, self.node, began - self.last_end, prefill)
-            length = ended - began
-            total = sum(st.parts.values())
-            scale = 1.0
-            if total > length > 0.0:
-                scale = length / total
-                self.overlap += total - length
-            elif total <= length:
-                self._add(SCHEDULER, self.node, length - total, prefill)
-            else:  # a step of no length (a clock of coarse grain): nothing to share
-                scale = 0.0
-            for (kind, node), seconds in st.parts.items():
-                self._add(kind, node, seconds * scale, prefill)
-            self.last_end = max(self.last_end, ended)
-        self.steps.clear()
+    def _close_run(self, prefill: bool) -> None:
+        """The run of lane steps ridden so far into the sums: its last step's running sums
+        less those before its first (its steps' shares and the gaps between them)."""
+        last = self.run_last
+        if last is None:
+            return
+        base = self.run_base or {}
+        for key, total in last.sums.items():
+            self._add(*key, total - base.get(key, 0.0), prefill)
+        self.last_end = max(self.last_end, last.ended)
+        self.run_base = self.run_last = None
 
     def end(self, status: int) -> None:
         self.ended = time.monotonic()
@@ -174,7 +186,7 @@ class Trace:
             self._add(PROXY, self.node, self.ended - self.arrived, True)
             return
         prefill = self.first_token is None
-        self._fold(prefill)
+        self._close_run(prefill)
         if self.admitted is None:  # refused before admission: it was all admission
             self._add(ADMIT, self.node, self.ended - self.arrived, True)
             return
@@ -208,10 +220,10 @@ class Trace:
                 order: Callable[[str], int] = lambda node: 0) -> dict:
         """The timeline: phases in the order a request meets them (stages in plan order:
         ``order(node)``), each with its prefill and decode seconds."""
-        if self.steps:
-            self._fold(self.first_token is None)  # a running request: what it has so far
+        self._close_run(self.first_token is None)  # a running request: what it has so far (a new run follows)
         phases = []
-        for (kind, node), (pre, dec) in self.parts.items():
+        for kind, node in {**self.prefill, **self.decode}:
+            pre, dec = self.prefill.get((kind, node), 0.0), self.decode.get((kind, node), 0.0)
             phase = {"kind": kind, "peer": node, "prefill_ms": round(pre * 1000, 3),
                      "decode_ms": round(dec * 1000, 3), "ms": round((pre + dec) * 1000, 3)}
             if kind in PER_STAGE:
@@ -226,6 +238,46 @@ class Trace:
             "overlap_ms": round(self.overlap * 1000, 3), "phases": phases,
         }
         return out
+
+
+def shares(st: StepTimes, node: str) -> list[tuple[Key, float]]:
+    """A step's parts as its sessions' timelines take them: scaled to its length where
+    they ran side by side (with the overlap, under ``OVERLAP``), else with the rest of the
+    step as the scheduler's (``node``: this peer)."""
+    length = max(0.0, st.ended - st.began)
+    total = sum(st.parts.values())
+    if total > length:
+        scale = length / total
+        return [(key, s * scale) for key, s in st.parts.items()] + [(OVERLAP, total - length)]
+    return [*st.parts.items(), ((SCHEDULER, node), length - total)]
+
+
+class Chain:
+    """One lane's steps in order, with running sums: after each step, the seconds of every
+    part (``shares``) and of the gaps between its steps since the lane began. A session that
+    rode steps i..j of the lane in a row spent ``sums(j) - base(i)`` in them; the lane pays
+    for the sums once per step, whatever its batch."""
+
+    __slots__ = ("node", "sums", "last", "seq")
+
+    def __init__(self, node: str):
+        self.node = node
+        self.sums: dict[Key, float] = {}
+        self.last: StepTimes | None = None
+        self.seq = 0
+
+    def link(self, st: StepTimes) -> None:
+        """``st`` (ended) as the lane's next step: its number, and the sums before and after it."""
+        base = dict(self.sums)
+        if self.last is not None and st.began > self.last.ended:
+            key = (QUEUE, self.node)
+            base[key] = base.get(key, 0.0) + (st.began - self.last.ended)
+        after = dict(base)
+        for key, seconds in shares(st, self.node):
+            after[key] = after.get(key, 0.0) + seconds
+        self.seq += 1
+        st.chain, st.seq, st.base, st.sums = self, self.seq, base, after
+        self.sums, self.last = after, st
 
 
 # -- the store ----------------------------------------------------------------------------
@@ -270,10 +322,12 @@ class TraceStore:
         return next((t for t in reversed(self.finished.values()) if t.ctx.trace_id == key), None)
 
     def recent(self, n: int = 20) -> list[dict]:
-        """The newest ``n`` requests, running ones first."""
-        running = [t.summary() for t in reversed(self.active.values()) if not t.proxied]
-        done = [t.summary() for t in reversed(self.finished.values())]
-        return (running + done)[:n]
+        """The newest ``n`` requests: running ones first (at most half of them, so that a
+        busy peer still shows finished ones), then finished ones."""
+        running = [t.summary() for t in itertools.islice(
+            (t for t in reversed(self.active.values()) if not t.proxied), n // 2)]
+        done = [t.summary() for t in itertools.islice(reversed(self.finished.values()), n - len(running))]
+        return running + done
 
     def counts(self) -> tuple[int, int]:
         """(running, queued): requests this peer serves that have had a step, and those
