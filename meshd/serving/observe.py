@@ -75,11 +75,17 @@ class Observe:
         app.router.add_get("/traces/{id}", self.trace)
         app.router.add_get("/metrics/targets", targets)
 
+    def _relays(self, request: web.Request) -> bool:
+        """Whether this peer answers ``request`` with its supernode's figures: it is a member
+        that serves, and the request is not one a member tunneled here."""
+        node = request.app[NODE]
+        return not node.view.is_supernode and not self.mesh_peer(request) and node.serves()
+
     async def _from_supernode(self, request: web.Request, path: str) -> tuple[int, object] | None:
         """(status, JSON) of ``path`` on the supernode, for a member; None on the supernode
         itself, for a request a member tunneled here, or when it does not answer in time."""
         node = request.app[NODE]
-        if node.view.is_supernode or self.mesh_peer(request) or not node.serves():
+        if not self._relays(request):
             return None
         try:
             async with asyncio.timeout(RELAY_TIMEOUT_S):
@@ -97,7 +103,8 @@ class Observe:
         own = node.live.snapshot(since)
         got = await self._from_supernode(request, f"/live?since={since}")
         if got is None or got[0] != 200 or not isinstance(got[1], dict) or not isinstance(got[1].get("samples"), list):
-            return web.json_response(own)
+            # relay_failed: the supernode's figures did not come (a page keeps the ones it has for a while)
+            return web.json_response(own | {"relay_failed": self._relays(request)})
         theirs = got[1]
         mine = {b["id"] for b in own["batches"]}
         batches = [b for b in theirs.get("batches", []) if isinstance(b, dict) and b.get("id") not in mine]

@@ -12,6 +12,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import select
 import shutil
 import sys
@@ -197,56 +198,68 @@ class _Keys:
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
 
     def wait(self, seconds: float) -> str:
-        """The key pressed within ``seconds`` ('' if none; without a terminal, just the wait)."""
+        """The keys pressed within ``seconds`` ('' if none; without a terminal, just the wait)."""
         if self.fd is None:
             time.sleep(seconds)
             return ""
         ready, _, _ = select.select([self.fd], [], [], max(0.0, seconds))
-        return self.stream.read(1) if ready else ""
+        return os.read(self.fd, 64).decode("utf-8", "replace") if ready else ""
 
 
 def cmd_top(args: argparse.Namespace) -> int:
+    try:
+        return _top(args)
+    except KeyboardInterrupt:  # Ctrl-C: an ordinary way to leave (the terminal is back by now)
+        return EXIT_OK
+
+
+def _top(args: argparse.Namespace) -> int:
     base = base_url(args)
     out = sys.stdout
     screen = out.isatty()
     samples: collections.deque[dict] = collections.deque(maxlen=KEEP)
     source, seq = None, 0
     _get(base + "/live?since=0", timeout=args.interval + 2)  # no answer at all: exit 2 before drawing
-    frames = 0
+    frames = misses = 0
     with contextlib.ExitStack() as stack:
         keys = stack.enter_context(_Keys(sys.stdin))
         if screen:
             out.write("\x1b[?1049h\x1b[?25l")  # the alternate screen, no cursor
             stack.callback(lambda: (out.write("\x1b[?25h\x1b[?1049l"), out.flush()))
-        try:
-            while args.count is None or frames < args.count:
-                began = time.monotonic()
-                try:
-                    code, live = _get(base + f"/live?since={seq}", timeout=args.interval + 2)
-                    if code != 200:
-                        raise Unreachable(f"HTTP {code}")
+        while args.count is None or frames < args.count:
+            began = time.monotonic()
+            frame: str | None = None
+            try:
+                code, live = _get(base + f"/live?since={seq}", timeout=args.interval + 2)
+                if code != 200:
+                    raise Unreachable(f"HTTP {code}")
+                misses = misses + 1 if live.get("relay_failed") and source not in (None, live.get("source")) else 0
+                if 0 < misses < 5:
+                    pass  # the supernode's figures came late: keep its frame a while, not this peer's zeros
+                else:
                     if live.get("source") != source or live.get("seq", 0) < seq:
-                        samples.clear()
-                        source = live.get("source")
+                        samples.clear()  # another supernode, or a restart: start over
+                        asked, source, seq = seq, live.get("source"), 0
+                        if asked:  # these came after a number of the other's: all of them next time
+                            continue
                     newest = samples[-1]["seq"] if samples else 0
                     samples.extend(s for s in live.get("samples", []) if s.get("seq", 0) > newest)
                     seq = live.get("seq", 0)
                     frame = format_top(live, list(samples), shutil.get_terminal_size().columns,
                                        time.strftime("%H:%M:%S"))
-                except Unreachable as exc:  # keep watching: the daemon may be restarting
-                    frame = f"meshd top  {time.strftime('%H:%M:%S')}  {exc}   q: quit"
+            except Unreachable as exc:  # keep watching: the daemon may be restarting
+                frame = f"meshd top  {time.strftime('%H:%M:%S')}  {exc}   q: quit"
+            if frame is not None:
                 if screen:
                     out.write("\x1b[H" + frame.replace("\n", "\x1b[K\n") + "\x1b[K\x1b[J")
                 else:
                     out.write(("\n" if frames else "") + frame + "\n")
                 out.flush()
                 frames += 1
-                if args.count is not None and frames >= args.count:
-                    break
-                if keys.wait(args.interval - (time.monotonic() - began)).lower() == "q":
-                    break
-        except KeyboardInterrupt:
-            pass
+            if args.count is not None and frames >= args.count:
+                break
+            if "q" in keys.wait(args.interval - (time.monotonic() - began)).lower():
+                break
     return EXIT_OK
 
 
