@@ -54,12 +54,14 @@ from meshd.errors import (
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
+from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
 from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
+from meshd.serving.traces import TraceStore
 from protocol.messages import (
     NO_CHAT,
     PROTOCOL_VERSION,
@@ -152,10 +154,14 @@ class Node:
         model = local_model(config)
         self.view = MeshView(self.node_id, self._capabilities(*model))
         self.store = ModelStore(config, self.view, self.secret, lambda: self.http, model)
-        self.metrics = NodeMetrics(self.view, self.device, self.status)  # one registry per node
+        self.traces = TraceStore(self.node_id)  # request timelines: those running, the last few hundred
+        self.metrics = NodeMetrics(self.view, self.device, self.status, self.traces,
+                                   lambda: self.pipeline.totals)  # one registry per node
+        self.traces.on_done = self.metrics.request_done
         self.pipeline = Pipeline(lambda: self.store.engine,
                                  on_stage_failed=lambda why: self.leader.view_changed(f"a stage failed: {why}",
-                                                                                      urgent=True))
+                                                                                      urgent=True),
+                                 node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
@@ -169,6 +175,8 @@ class Node:
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
         self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
+        self.live = LiveFeed(self.view, config.name, self.scheduler, lambda: self.pipeline.totals, self.traces,
+                             self.batches.status)  # a sample a second, the last 15 minutes
 
     # -- identity ------------------------------------------------------------------
 
@@ -261,6 +269,7 @@ class Node:
                 tg.create_task(self.batches.run(client_tls))
                 tg.create_task(self.keeper.heartbeat_loop())
                 tg.create_task(self.keeper.connect_loop())
+                tg.create_task(self.live.run())
                 if on_ready is not None:
                     tg.create_task(self._notify_ready(on_ready))
                 if watchdog is not None:
@@ -445,7 +454,8 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def supernode_post(self, path: str, body: object, authorization: str = "",
-                             timeout: aiohttp.ClientTimeout | None = None, client: str = "", request_id: str = ""):
+                             timeout: aiohttp.ClientTimeout | None = None, client: str = "", request_id: str = "",
+                             traceparent: str = ""):
         """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
         tunnel), or on loopback when this peer is the supernode. Yields a response
         with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
@@ -454,7 +464,7 @@ class Node:
         await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
         data = json.dumps(body).encode()
         if self.view.is_supernode:
-            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id)
+            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id, traceparent)
             async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
                                       timeout=timeout) as up:
                 yield up
@@ -462,7 +472,16 @@ class Node:
         link = self.view.links[self.view.supernode]
         async with tunnel.call(link, "POST", path, data, authorization,
                                sock_read=timeout.sock_read if timeout is not None else None, client=client,
-                               request_id=request_id) as up:
+                               request_id=request_id, traceparent=traceparent) as up:
+            yield up
+
+    @contextlib.asynccontextmanager
+    async def supernode_get(self, path: str, timeout_s: float):
+        """GET one of the supernode's read-only paths (``tunnel.READABLE``) over the sealed link."""
+        link = self.view.links.get(self.view.supernode) if self.view.supernode else None
+        if link is None or not link.alive:
+            raise NoCapacity("no link to the supernode")
+        async with tunnel.call(link, "GET", path, b"", sock_read=timeout_s) as up:
             yield up
 
     async def _tunneled_drain(self, body: bytes) -> tuple[int, bytes]:

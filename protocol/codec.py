@@ -8,7 +8,7 @@ Both directions are derived from the message classes (their fields' names, types
 and defaults), so a field is listed once, in ``protocol.messages``; the few checks
 a type cannot say (a segment has rows, a batch's rows are its hidden's) are in
 ``_CHECKS`` here. Every value is bounded here, once, before any part of meshd uses
-it: integers by their field's ``max`` (terms by ``MAX_TERM``), ids and model names as
+it: integers and durations by their field's ``max`` (terms by ``MAX_TERM``), ids and model names as
 plain names (a model name becomes a directory: ``../x`` is refused), digests as
 sha256 hex, spans within ``MAX_LAYERS``, floats finite. Spans travel as ``[start, stop]``, enums as ints, tensors as
 ``{dtype, shape, data}`` through ``pack_tensor`` / ``unpack_tensor`` (a ``WireTensor`` whose bytes agree with its
@@ -212,6 +212,9 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
     if hint is int:
         hi = (meta or {}).get("max", _MAX_INT)
         return lambda v: v.as_int(hi)
+    if hint is float and meta and "max" in meta:  # a bounded duration: 0..max
+        hi = meta["max"]
+        return lambda v: v.as_float(hi)
     if hint is NodeId:
         return _Fields.as_node
     if hint is SessionId:
@@ -345,10 +348,12 @@ class _Fields:
             raise ProtocolError(f"{self.where}: {v} is outside 0..{hi}")
         return v
 
-    def as_float(self) -> float:
+    def as_float(self, hi: float | None = None) -> float:
         v = self.frame  # an int is a fine float (msgspec's rule); NaN and inf are not
         if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
             raise self._wrong("finite float")
+        if hi is not None and not 0.0 <= v <= hi:
+            raise ProtocolError(f"{self.where}: {v} is outside 0..{hi:g}")
         return float(v)
 
     def as_str(self) -> str:

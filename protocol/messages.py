@@ -34,6 +34,7 @@ MAX_POSITION = 2**31  # a session position (a segment's start)
 MAX_MEMORY = 2**56  # bytes of memory a peer may say it uses
 NO_CHAT = "none"  # Plan.chat_template of a supernode that has no chat template
 MAX_ORIGIN = 256  # Plan.chat_template's length
+MAX_CALL_S = 3600.0  # the most seconds a stage may say one call took
 
 
 # -- nested structures (not frames of their own) ---------------------------------
@@ -231,6 +232,11 @@ class ResultBatch:
     term: int = field(metadata=TERM)
     req: int
     hidden: WireTensor  # [sum(rows), H], same row order
+    # The stage's share of the call, for the supernode's request timelines and live figures
+    # (an older peer sends neither: its whole call then reads as the hop): the seconds of
+    # its forward, and those it waited for its engine (other calls ahead of this one).
+    seconds: float = field(default=0.0, metadata={"max": MAX_CALL_S})
+    queued: float = field(default=0.0, metadata={"max": MAX_CALL_S})
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +270,8 @@ class ApiRequest:
     body: bytes
     authorization: str = ""  # the client's Authorization header: the supernode checks its own keys
     client: str = ""  # who the entry peer serves this for (KV fairness counts per client)
-    request_id: str = ""  # the client's x-request-id, for the supernode's logs
+    request_id: str = ""  # the client's x-request-id, for the supernode's logs and its request timeline
+    traceparent: str = ""  # W3C trace context: the entry peer's span, the parent of the supernode's
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,23 +3,35 @@ against a three-peer mesh of real daemons in network namespaces (found by mDNS).
 
 The page must load from a peer, show every peer of the mesh (the supernode marked),
 the layers as a bar coloured by owner, and a chat answer that streams in. A
-screenshot is saved as a test artifact under artifacts/.
+screenshot is saved as a test artifact under artifacts/. Under load, its live charts
+must move and a request's timeline must show every stage; the same mesh serves
+``meshctl trace`` (a request's phases add up to what its client waited) and the
+Grafana dashboard's metrics (each one exists in the supernode's /metrics).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.meshlab import MeshLab
+from tests.meshlab import MeshLab, daemon_env
 from tests.netlab import Lab, netlab_available
 
 CHROMIUM = os.environ.get("MESHD_TEST_CHROMIUM", "/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+GRAFANA = ROOT / "docs" / "grafana" / "meshd.json"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 GiB = 1 << 30
@@ -139,6 +151,146 @@ def test_dashboard_shows_a_running_batch_job(browser, three_peers):
     finally:
         page.close()
         client.batches.cancel(batch.id)
+
+
+def _load(url: str, name: str, stop: threading.Event, count: int = 60) -> None:
+    """Streamed completions one after another (x-request-id ``NAME-i``), bounded in count, until ``stop``."""
+    for i in range(count):
+        if stop.is_set():
+            return
+        body = json.dumps({"prompt": f"Busy mesh number {i}", "max_tokens": 24, "temperature": 0,
+                           "stream": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json",
+                                                                     "X-Request-Id": f"{name}-{i}"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.read().rstrip().endswith(b"data: [DONE]")
+
+
+def _charts(page) -> dict[str, dict]:
+    """Each live chart's latest values (what its legend shows) and its sample count."""
+    return page.eval_on_selector_all(
+        ".chart", "cs => Object.fromEntries(cs.map(c => [c.id, {last: JSON.parse(c.dataset.last || '{}'), "
+                  "points: Number(c.dataset.points || 0)}]))")
+
+
+def test_live_charts_move_under_load_and_a_request_shows_its_timeline(browser, three_peers, tmp_path):
+    openai = pytest.importorskip("openai")
+    mesh, daemons, view = three_peers
+    sup = next(d for d in daemons if d.node_id == view["supernode"])
+    entry = next(d for d in daemons if d is not sup)
+    names = {d.node_id: d.name for d in daemons}
+    # A batch job on the supernode (its progress on the page, its series in /metrics) and
+    # two clients streaming through another peer, whose page shows the supernode's figures.
+    client = openai.OpenAI(base_url=sup.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"prompt": f"Line {i}", "max_tokens": 64, "temperature": 0}}) + "\n"
+                    for i in range(400))
+    uploaded = client.files.create(file=("live.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    stop = threading.Event()
+    load = [threading.Thread(target=_load, args=(entry.url, f"load{i}", stop), daemon=True) for i in range(2)]
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    try:
+        for t in load:
+            t.start()
+        page.goto(entry.url + "/", wait_until="load", timeout=30_000)
+        page.wait_for_function(
+            "(() => { const c = document.getElementById('c-stage'); const last = JSON.parse(c.dataset.last || '{}');"
+            "  return Number(document.body.dataset.samples) >= 3 && Object.values(last).filter(v => v > 0).length === 3"
+            "    && JSON.parse(document.getElementById('c-tps').dataset.last)['tokens/s'] > 0; })()", timeout=90_000)
+        first = _charts(page)
+        time.sleep(2.5)
+        second = _charts(page)
+        # The charts moved without a reload: more samples, and new figures while requests run.
+        assert all(second[c]["points"] > first[c]["points"] for c in first), (first, second)
+        assert second["c-tps"]["last"]["tokens/s"] > 0 and second["c-ttft"]["last"]["p50"] > 0, second
+        assert second["c-stage"]["last"] != first["c-stage"]["last"], (first["c-stage"], second["c-stage"])
+        assert set(second["c-stage"]["last"]) == set(names.values())  # every peer of the plan, by name
+        remote = {names[d.node_id] for d in daemons if d is not sup}
+        assert {k for k, v in second["c-hop"]["last"].items() if v} == remote | {f"{n} ping" for n in remote}
+        seen = page.evaluate("live.samples.map(s => [s.running, s.kv_reserved])")
+        assert max(r for r, _ in seen) >= 1 and max(kv for _, kv in seen) > 0, seen
+        assert "the supernode" in page.text_content("#live-source")
+        row = page.text_content(f'#batches tr[data-batch-id="{batch.id}"]')
+        assert "in_progress" in row and "/400" in row and sup.name in row, row
+
+        # A finished request of the clients' (it entered at this peer), picked from the recent
+        # ones: its timeline shows each stage, each hop, the supernode's own parts and this peer's.
+        done = page.wait_for_selector('#requests tr[data-request-id^="load"]:has(td:text-is("200"))', timeout=30_000)
+        picked = done.get_attribute("data-request-id")
+        done.click()
+        page.wait_for_function(f"document.getElementById('tl-head').textContent.startsWith('{picked}')"
+                               " && document.querySelectorAll('#tl-phases tr.phase-row[data-kind=stage]').length === 3",
+                               timeout=30_000)
+        rows = page.eval_on_selector_all("#tl-phases tr.phase-row",
+                                         "rs => rs.map(r => [r.dataset.kind, r.dataset.peer, Number(r.dataset.ms)])")
+        kinds = {(k, p) for k, p, _ in rows}
+        assert [p for k, p, _ in rows if k == "stage"] == [a["node"] for a in view["plan"]], rows
+        assert {("hop", d.node_id) for d in daemons if d is not sup} <= kinds
+        assert {"queue", "sample", "stream", "proxy"} <= {k for k, _ in kinds} and all(ms > 0 for *_, ms in rows)
+        assert page.eval_on_selector_all("#tl-bar > div", "ds => ds.length") >= len(rows)
+
+        shot = tmp_path / "dashboard-live.png"
+        page.screenshot(path=str(shot), full_page=True)
+        print(f"dashboard screenshot: {shot}")
+        assert shot.stat().st_size > 50_000
+        assert not errors, errors
+
+        # Every metric the Grafana dashboard plots, in the supernode's /metrics while all of it runs.
+        with urllib.request.urlopen(sup.url + "/metrics", timeout=10) as resp:
+            exposed = {line.split("{")[0].split(" ")[0] for line in resp.read().decode().splitlines()
+                       if line and not line.startswith("#")}
+        board = json.loads(GRAFANA.read_text())
+        wanted = {name for p in board["panels"] for t in p.get("targets", [])
+                  for name in re.findall(r"\bmeshd_[a-z0-9_]+", t["expr"])}
+        assert len(wanted) > 20 and not wanted - exposed, sorted(wanted - exposed)
+    finally:
+        stop.set()
+        page.close()
+        with contextlib.suppress(openai.ConflictError):  # it may have finished
+            client.batches.cancel(batch.id)
+        for t in load:
+            t.join(120)
+
+
+def test_meshctl_trace_lists_every_stage_adding_up_to_the_wall_time(three_peers):
+    """A request through a peer that is not the supernode: its phases on each of the three
+    peers are positive and add up to within 10% of what its client waited."""
+    mesh, daemons, view = three_peers
+    sup = view["supernode"]
+    entry = next(d for d in daemons if d.node_id != sup)
+    rid = "trace-" + secrets.token_hex(6)
+    body = json.dumps({"prompt": "A mesh of small machines", "max_tokens": 16, "temperature": 0}).encode()
+    req = urllib.request.Request(entry.url + "/v1/completions", body,
+                                 {"Content-Type": "application/json", "X-Request-Id": rid})
+    began = time.monotonic()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        answer = json.loads(resp.read())
+    wall_ms = (time.monotonic() - began) * 1000
+    assert answer["usage"]["completion_tokens"] > 1
+
+    out = subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", "--url", entry.url, "trace", rid, "--json"],
+                         capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    trace = json.loads(out.stdout)
+    phases = trace["phases"]
+    assert trace["request_id"] == rid and trace["entry"] == entry.node_id and trace["supernode"] == sup
+    assert [p["peer"] for p in phases if p["kind"] == "stage"] == [a["node"] for a in view["plan"]]
+    assert {p["peer"] for p in phases if p["kind"] == "hop"} == {a["node"] for a in view["plan"]} - {sup}
+    assert {"admit", "queue", "sample", "stream", "proxy"} <= {p["kind"] for p in phases}
+    assert all(p["ms"] > 0 for p in phases), phases
+    total = sum(p["ms"] for p in phases)
+    assert abs(total - wall_ms) <= 0.1 * wall_ms, (total, wall_ms, phases)
+
+    table = subprocess.run([sys.executable, "-m", "meshd.tools.meshctl", "--url", entry.url, "trace", rid],
+                           capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert table.returncode == 0, table.stderr
+    for d in daemons:
+        assert re.search(rf"stage forward\s+{d.name}\s+\d+-\d+", table.stdout), table.stdout
+    print(table.stdout)
 
 
 def test_dashboard_follows_a_peer_lost(browser, three_peers):

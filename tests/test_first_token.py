@@ -64,9 +64,9 @@ async def test_a_new_sessions_first_step_carries_no_decode_rows_and_answers_the_
     steps: list[list[tuple[str, int]]] = []  # per step: (session, tokens generated so far)
     step = pipeline.step
 
-    async def recorded(sessions, pick):
+    async def recorded(sessions, pick, *times):
         steps.append([(s.id, len(s.generated)) for s in sessions])
-        return await step(sessions, pick)
+        return await step(sessions, pick, *times)
 
     pipeline.step = recorded
     runner = asyncio.get_running_loop().create_task(sched.run())

@@ -5,12 +5,22 @@ against a peer in a namespace that cannot serve."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import pty
 import re
 import secrets
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -275,6 +285,104 @@ def test_generate_streams_the_completion(mesh):
     assert got == want + "\n"
     if len(want) > 4:  # text came in pieces as tokens were made, not all at the end
         assert len(chunks) > 1 and times[-1] - times[0] > 0.02, (len(chunks), times)
+
+
+def _load(url: str, stop: threading.Event, count: int = 40) -> None:
+    """Completions one after another (bounded in count) until ``stop``."""
+    body = json.dumps({"prompt": "Keep the mesh busy", "max_tokens": 16, "temperature": 0}).encode()
+    for _ in range(count):
+        if stop.is_set():
+            return
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                           {"Content-Type": "application/json"}), timeout=60) as r:
+            r.read()
+
+
+def _top_in_a_terminal(url: str, until, key: bytes, timeout: float = 60.0) -> tuple[int, str]:
+    """``meshctl top`` on a pseudo-terminal of 120x40: read its screen until ``until(text)``,
+    then type ``key``; its exit status and everything it wrote."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C reaches it as SIGINT)
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.execve(sys.executable, [sys.executable, "-m", "meshd.tools.meshctl", "--url", url, "top"], daemon_env())
+    out = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while not until(out.decode("utf-8", "replace")):
+            assert time.monotonic() < deadline, f"top drew no figures in {timeout:.0f} s: {out[-3000:]!r}"
+            if select.select([fd], [], [], 0.5)[0]:
+                out += os.read(fd, 65536)
+        os.write(fd, key)
+        deadline = time.monotonic() + 15
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, f"top did not end on {key!r}"
+            if select.select([fd], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):  # EIO once the child closed its side
+                    out += os.read(fd, 65536)
+        with contextlib.suppress(OSError):
+            while select.select([fd], [], [], 0.2)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                out += chunk
+        return os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace")
+    finally:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        os.close(fd)
+
+
+def test_top_draws_the_live_figures_in_a_terminal_and_quits_on_q_or_ctrl_c(mesh):
+    a, b = mesh
+    stop = threading.Event()
+    load = threading.Thread(target=_load, args=(b.url, stop), daemon=True)
+    load.start()
+    try:
+        def drawn(text: str) -> bool:  # a frame with tokens flowing and both peers' stage times
+            frames = text.split("\x1b[H")
+            frame = frames[-2] if len(frames) > 2 else ""  # the last whole frame
+            m = re.search(r"tokens/s\s+([0-9.]+)", frame)
+            return bool(m and float(m.group(1)) > 0 and re.search(r"alpha\s+0-\d+\s+[0-9.]+", frame)
+                        and re.search(r"beta\s+\d+-\d+\s+[0-9.]+", frame))
+
+        code, screen = _top_in_a_terminal(b.url, drawn, b"q")  # through beta: the supernode's figures
+        assert code == 0, screen[-2000:]
+        assert screen.startswith("\x1b[?1049h") and screen.rstrip().endswith("\x1b[?25h\x1b[?1049l"), \
+            "the terminal is put back"
+        for what in ("figures of the supernode alpha", "running", "TTFT p50", "KV cache", "STAGE ms", "HOP ms"):
+            assert what in screen, what
+        assert "Traceback" not in screen
+
+        code, screen = _top_in_a_terminal(b.url, lambda text: "tokens/s" in text, b"\x03")  # Ctrl-C
+        assert code == 0 and screen.rstrip().endswith("\x1b[?25h\x1b[?1049l") and "Traceback" not in screen, \
+            screen[-2000:]
+    finally:
+        stop.set()
+        load.join(90)
+
+
+def test_trace_of_a_request_and_of_one_it_does_not_know(mesh):
+    a, b = mesh
+    a_id, b_id = ids(a, b)
+    rid = "meshctl-" + secrets.token_hex(4)
+    body = json.dumps({"prompt": "Trace me", "max_tokens": 8, "temperature": 0}).encode()
+    with urllib.request.urlopen(urllib.request.Request(b.url + "/v1/completions", body, {
+            "Content-Type": "application/json", "X-Request-Id": rid}), timeout=60) as r:
+        assert r.headers["X-Request-Id"] == rid
+    out = meshctl("--url", b.url, "trace", rid)
+    assert out.returncode == 0, out.stderr
+    assert f"request {rid}" in out.stdout and "entry beta -> supernode alpha" in out.stdout
+    rows = {tuple(re.split(r"\s{2,}", line.strip())[:2]) for line in out.stdout.splitlines()}
+    assert {("stage forward", "alpha"), ("stage forward", "beta"), ("hop", "beta")} <= rows, out.stdout
+    listed = meshctl("--url", a.url, "trace")
+    assert listed.returncode == 0 and rid in listed.stdout
+    missing = meshctl("--url", b.url, "trace", "never-sent")
+    assert missing.returncode == 1 and "never-sent" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_drain_moves_a_peer_off_the_plan(mesh):

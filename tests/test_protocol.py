@@ -64,10 +64,11 @@ SAMPLES = [
     Commit(term=3),
     ForwardBatch(term=3, req=10, segments=(Segment(SessionId("s1"), 17, 1), Segment(SessionId("s2"), 0, 2)),
                  hidden=to_wire(HIDDEN)),
-    ResultBatch(term=3, req=10, hidden=to_wire(HIDDEN * 3)),
+    ResultBatch(term=3, req=10, hidden=to_wire(HIDDEN * 3), seconds=0.0125, queued=0.002),
     Fail(term=3, req=9, reason="engine error"),
     Drop(term=3, session=SessionId("s1")),
-    ApiRequest(req=4, method="POST", path="/v1/completions", body=b'{"prompt": "hi"}', authorization="Bearer k"),
+    ApiRequest(req=4, method="POST", path="/v1/completions", body=b'{"prompt": "hi"}', authorization="Bearer k",
+               traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
     ApiReply(req=4, status=200, data=b"data: {}\n\n", end=1),
 ]
 
@@ -182,6 +183,9 @@ def test_missing_fields_with_defaults_take_them():
     f = frame(SAMPLES[5])  # an older supernode's Plan: its chat template is not known
     del f["chat_template"]
     assert decode(pack(f)).chat_template == ""
+    f = frame(SAMPLES[10])  # an older stage's result: its share of the step reads as 0
+    del f["seconds"], f["queued"]
+    assert (decode(pack(f)).seconds, decode(pack(f)).queued) == (0.0, 0.0)
 
 
 def test_a_reject_without_a_code_or_with_an_unknown_one_reads_as_other():
@@ -222,7 +226,7 @@ def tampered(msg, path: tuple, value) -> bytes:
 
 
 DELETE = object()
-HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
+HELLO, PLAN, FWD, RESULT = SAMPLES[0], SAMPLES[5], SAMPLES[9], SAMPLES[10]
 
 
 @pytest.mark.parametrize(
@@ -277,6 +281,10 @@ HELLO, PLAN, FWD = SAMPLES[0], SAMPLES[5], SAMPLES[9]
         (FWD, ("hidden", "data"), b"\x00" * 7, "7 bytes"),
         (FWD, ("hidden",), DELETE, "missing field 'hidden'"),
         (FWD, ("segments", 0, "session"), 12, "expected str"),
+        (RESULT, ("seconds",), -0.5, "outside 0..3600"),  # a stage's figures are bounded, not trusted
+        (RESULT, ("seconds",), 1e9, "outside 0..3600"),
+        (RESULT, ("queued",), float("inf"), "finite float"),
+        (RESULT, ("queued",), "soon", "finite float"),
         (FWD, ("t",), "warp", "unknown message tag 'warp'"),
         (FWD, ("t",), 3, "tag must be a string"),
         (FWD, ("t",), DELETE, "no 't' tag"),

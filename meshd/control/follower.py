@@ -64,7 +64,8 @@ class Follower:
 
     def runner(self, engine: StageEngine) -> LocalRunner:
         """This peer's span for its own supernode's pipeline."""
-        return LocalRunner(engine, delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)
+        return LocalRunner(engine, delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded,
+                           node=self.view.node_id)
 
     # -- plans ---------------------------------------------------------------------------
 
@@ -130,13 +131,14 @@ class Follower:
             return
         URGENT.set(bool(msg.urgent))  # this task's own context: its engine call goes first if urgent
         try:
-            out = await run_span(engine, list(msg.segments), from_wire(msg.hidden),
-                                 delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)
+            out, seconds, queued = await run_span(engine, list(msg.segments), from_wire(msg.hidden),
+                                                  delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)
         except KNOWN_ERRORS as exc:
             log.warning("forward_failed", sessions=len(msg.segments), error=str(exc))
             await _reply(link, Fail(msg.term, msg.req, str(exc)))
             return
-        await _reply(link, ResultBatch(msg.term, msg.req, to_wire(out)))
+        # Its share of the step's time goes back with it: the supernode's traces and live figures.
+        await _reply(link, ResultBatch(msg.term, msg.req, to_wire(out), seconds=seconds, queued=queued))
 
     def drop(self, session: str) -> None:
         if self.store.engine is not None:

@@ -22,6 +22,7 @@ import torch
 from aiohttp import WSMsgType
 
 from meshd.control.secure import CLOSE_AUTH, WS, Channel, Forged  # noqa: F401 (CLOSE_AUTH: the handshake's code, listed with ours)
+from meshd.control.timing import STEP_TIMES
 from meshd.errors import PeerLost, ProtocolError, StageFailed
 from meshd.hardware import process_rss
 from protocol.codec import decode, encode
@@ -141,11 +142,15 @@ class Link:
         req = next(self._req)
         future = asyncio.get_running_loop().create_future()
         self._pending[req] = future
+        began = time.monotonic()
         try:
             await self.send(ForwardBatch(term, req, tuple(segments), to_wire(hidden), urgent=int(URGENT.get())))
-            return await future
+            result: ResultBatch = await future
         finally:
             self._pending.pop(req, None)
+        if (times := STEP_TIMES.get()) is not None:  # the stage's share, the rest is the hop
+            times.forward(self.peer_id, time.monotonic() - began, result.seconds, result.queued)
+        return from_wire(result.hidden)
 
     async def drop(self, term: int, session: str) -> None:
         await self.send(Drop(term, session))
@@ -183,8 +188,8 @@ class Link:
                     case Pong(sent=sent, ram_used=ram_used):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
                         self.ram_used = ram_used or None
-                    case ResultBatch(req=req, hidden=hidden):
-                        self._settle(req, from_wire(hidden))
+                    case ResultBatch(req=req):
+                        self._settle(req, msg)
                     case Fail(req=req, reason=reason):
                         self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))
                     case ApiReply(req=req):

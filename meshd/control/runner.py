@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from meshd.control.timing import SAMPLE, STEP_TIMES
 from meshd.errors import ModelError, PeerLost
 from protocol.messages import Segment
 from shards.engine import StageEngine
@@ -26,23 +28,31 @@ class StageRunner(Protocol):
 
 
 async def run_span(engine: StageEngine, segments: list[Segment], hidden: torch.Tensor, *,
-                   delay_ms: float = 0.0, forwarded: Forwarded | None = None) -> torch.Tensor:
-    """``hidden`` through this peer's span; ``delay_ms`` per layer simulates a slow box."""
+                   delay_ms: float = 0.0, forwarded: Forwarded | None = None
+                   ) -> tuple[torch.Tensor, float, float]:
+    """``hidden`` through this peer's span; ``delay_ms`` per layer simulates a slow box.
+    Returns the output, the seconds of the forward (a simulated delay counts: it stands
+    for compute) and the seconds the call waited for the engine (other calls before it)."""
+    slept = 0.0
     if delay_ms and engine.span is not None:
-        await asyncio.sleep(delay_ms * len(engine.span) / 1000.0)
+        slept = delay_ms * len(engine.span) / 1000.0
+        await asyncio.sleep(slept)
+    began = time.monotonic()
     out, seconds = await engine.forward_timed([(g.session, g.start, g.rows) for g in segments], hidden)
     if forwarded is not None:  # the forward's own time: not the queue, nor urgent calls run inside it
         forwarded(hidden.shape[0], seconds)
-    return out
+    return out, seconds + slept, max(0.0, time.monotonic() - began - seconds)
 
 
 class LocalRunner:
     """The supernode's own span, behind the same interface as a peer link."""
 
-    def __init__(self, engine: StageEngine, *, delay_ms: float = 0.0, forwarded: Forwarded | None = None):
+    def __init__(self, engine: StageEngine, *, delay_ms: float = 0.0, forwarded: Forwarded | None = None,
+                 node: str = ""):
         self.engine = engine
         self.delay_ms = delay_ms
         self.forwarded = forwarded
+        self.node = node  # this peer's id, for the step's times
 
     @contextlib.contextmanager
     def _of_term(self, term: int):
@@ -60,8 +70,13 @@ class LocalRunner:
             raise
 
     async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        began = time.monotonic()
         with self._of_term(term):
-            return await run_span(self.engine, segments, hidden, delay_ms=self.delay_ms, forwarded=self.forwarded)
+            out, seconds, _ = await run_span(self.engine, segments, hidden, delay_ms=self.delay_ms,
+                                             forwarded=self.forwarded)
+        if (times := STEP_TIMES.get()) is not None:
+            times.forward(self.node, time.monotonic() - began, seconds, local=True)
+        return out
 
     def chains(self, engine: StageEngine) -> bool:
         """Whether the pipeline may embed into this span, and take the head after it, in
@@ -73,11 +88,17 @@ class LocalRunner:
                    fn: Callable[[torch.Tensor], object] | None = None):
         """``StageEngine.step`` through this span: embed ``tokens`` (or take ``hidden``), the
         span, then the head on ``rows`` and ``fn`` of their logits where given."""
+        began = time.monotonic()
         with self._of_term(term):
             out, seconds = await self.engine.step([(g.session, g.start, g.rows) for g in segments], tokens, hidden,
                                                   rows, fn)
         if self.forwarded is not None:
             self.forwarded(sum(g.rows for g in segments), seconds)
+        if (times := STEP_TIMES.get()) is not None:
+            # The rest of the call is the embedding or head in it, and its wait for the engine.
+            elapsed = time.monotonic() - began
+            times.forward(self.node, seconds, seconds, local=True)
+            times.add(SAMPLE, self.node, elapsed - min(seconds, elapsed))
         return out
 
     async def drop(self, term: int, session: str) -> None:

@@ -32,10 +32,14 @@ log = structlog.get_logger()
 
 TUNNEL_HEADER = "X-Meshd-Tunnel"  # this process's local token: the request came over a sealed link
 CLIENT_HEADER = "X-Meshd-Client"  # the client a member forwards for (trusted only with TUNNEL_HEADER)
+ENTRY_HEADER = "X-Meshd-Entry"  # the member that handed it over (set here, trusted only with TUNNEL_HEADER)
 MAX_CLIENT = 128
 # What a member may ask of the supernode's API through the tunnel.
 TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain"})
+# ...and what it may read (GET): the live figures and request timelines it shows for the mesh.
+READABLE = re.compile(r"/live(\?since=[0-9]{1,15})?|/traces(\?limit=[0-9]{1,4})?|/traces/[A-Za-z0-9._:-]{1,128}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def plain_header(value: str) -> bool:
@@ -44,11 +48,12 @@ def plain_header(value: str) -> bool:
 
 
 def loopback_headers(local_token: str, authorization: str = "", client: str = "",
-                     request_id: str = "") -> dict[str, str]:
+                     request_id: str = "", traceparent: str = "", entry: str = "") -> dict[str, str]:
     """The headers of a call to this process's own API on behalf of an entry peer's client
     (one that came over a link, or the proxy's own when this peer is the supernode): the
     client's key as given, so the API keys apply, and the tunnel's mark (this process's
-    own token), with which the API believes the client named (KV fairness)."""
+    own token), with which the API believes the client named (KV fairness), and the
+    request's trace context and entry peer (its timeline)."""
     headers = {"Content-Type": "application/json", TUNNEL_HEADER: local_token}
     if authorization:
         headers["Authorization"] = authorization
@@ -56,6 +61,10 @@ def loopback_headers(local_token: str, authorization: str = "", client: str = ""
         headers[CLIENT_HEADER] = client
     if request_id and len(request_id) <= MAX_CLIENT and plain_header(request_id):
         headers["X-Request-Id"] = request_id
+    if traceparent and _TRACEPARENT.fullmatch(traceparent):
+        headers["traceparent"] = traceparent
+    if entry and len(entry) <= MAX_CLIENT and plain_header(entry):
+        headers[ENTRY_HEADER] = entry
     return headers
 
 
@@ -109,14 +118,15 @@ class TunnelResponse:
 
 @contextlib.asynccontextmanager
 async def call(link: Link, method: str, path: str, body: bytes, authorization: str = "",
-               sock_read: float | None = None, client: str = "", request_id: str = "") -> AsyncIterator[TunnelResponse]:
+               sock_read: float | None = None, client: str = "", request_id: str = "",
+               traceparent: str = "") -> AsyncIterator[TunnelResponse]:
     req = link.next_req()
     queue: asyncio.Queue = asyncio.Queue()
     link.api_replies[req] = queue
     resp = TunnelResponse(link, req, queue, sock_read)
     try:
         try:
-            await link.send(ApiRequest(req, method, path, body, authorization, client, request_id))
+            await link.send(ApiRequest(req, method, path, body, authorization, client, request_id, traceparent))
         except PeerLost as exc:
             raise aiohttp.ClientConnectionError(str(exc)) from None
         await resp.start()
@@ -152,7 +162,9 @@ class TunnelServer:
 
     async def _serve(self, link: Link, msg: ApiRequest) -> None:
         try:
-            if msg.method != "POST" or msg.path not in TUNNELED:
+            if msg.method == "GET" and READABLE.fullmatch(msg.path):
+                await self._loopback(link, msg)
+            elif msg.method != "POST" or msg.path not in TUNNELED:
                 await link.send(ApiReply(msg.req, 404, b'{"error": {"message": "not through the tunnel"}}', 1))
             elif not plain_header(msg.authorization):
                 await link.send(ApiReply(msg.req, 400, b'{"error": {"message": "malformed Authorization"}}', 1))
@@ -168,11 +180,13 @@ class TunnelServer:
             raise
 
     async def _loopback(self, link: Link, msg: ApiRequest) -> None:
-        headers = loopback_headers(self._local_token, msg.authorization, msg.client, msg.request_id)
+        headers = loopback_headers(self._local_token, msg.authorization, msg.client, msg.request_id,
+                                   msg.traceparent, link.peer_id)
         status = 502
         try:
-            async with self._http().post(self._own_url() + msg.path, data=msg.body, headers=headers, ssl=False,
-                                         timeout=aiohttp.ClientTimeout(total=None, connect=5)) as up:
+            async with self._http().request(msg.method, self._own_url() + msg.path,
+                                            data=msg.body if msg.method == "POST" else None, headers=headers,
+                                            ssl=False, timeout=aiohttp.ClientTimeout(total=None, connect=5)) as up:
                 status = up.status
                 await link.send(ApiReply(msg.req, status, b""))
                 async for data in up.content.iter_any():

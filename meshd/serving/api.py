@@ -20,10 +20,12 @@ from aiohttp import web
 from meshd import __version__
 from meshd.control.tunnel import TUNNEL_HEADER
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull, SupernodeChanged
+from meshd.control.tunnel import ENTRY_HEADER
 from meshd.serving import dashboard
-from meshd.serving.daemon import NODE, REQUEST_ID, Daemon
+from meshd.serving.daemon import NODE, REQUEST_ID, TRACE, Daemon
 from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
-from meshd.serving.metrics import CLIENT_GONE
+from meshd.serving.metrics import CLIENT_CLOSED, CLIENT_GONE
+from meshd.serving.observe import Observe
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
@@ -42,6 +44,7 @@ from meshd.serving.openai import (
 )
 from meshd.serving.proxy import Handoff, proxy_completion
 from meshd.serving.scheduler import Usage
+from meshd.serving.traces import TraceContext
 from protocol.messages import NO_CHAT
 from shards import grammar
 
@@ -91,10 +94,12 @@ _REQUEST_ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler):
-    """x-request-id: the client's (if it is a plain token) or a new one, on the answer and the logs."""
+    """x-request-id: the client's (if it is a plain token) or a new one, on the answer and the logs;
+    the W3C trace context: the client's ``traceparent`` (if valid) or a new trace, with this peer's span."""
     given = request.headers.get("X-Request-Id", "")
     rid = given if _REQUEST_ID_OK.fullmatch(given) else "req_" + secrets.token_hex(12)
     request[REQUEST_ID] = rid
+    request[TRACE] = TraceContext.from_headers(request.headers.get("traceparent"), request.headers.get("tracestate"))
     with structlog.contextvars.bound_contextvars(request_id=rid):
         return await handler(request)
 
@@ -104,10 +109,14 @@ async def _add_request_id(request: web.Request, response: web.StreamResponse) ->
     rid = request.get(REQUEST_ID)
     if rid:
         response.headers["X-Request-Id"] = rid
+    if (ctx := request.get(TRACE)) is not None:  # the caller's trace id, with this peer's span
+        response.headers["traceparent"] = ctx.header()
+        if ctx.state:
+            response.headers["tracestate"] = ctx.state
     origin = _cors_origin(request)
     if origin is not None:
         response.headers["Access-Control-Allow-Origin"] = origin
-        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
+        response.headers["Access-Control-Expose-Headers"] = "X-Request-Id, traceparent"
         response.headers.add("Vary", "Origin")
 
 
@@ -200,7 +209,39 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, chat=True)
 
 
+def _status_of(exc: BaseException) -> int:
+    """The status the errors middleware gives an error (for the request's timeline)."""
+    match exc:
+        case BadRequest():
+            return exc.status
+        case InvalidParams():
+            return 400
+        case NoCapacity():
+            return 503
+        case StorageFull():
+            return 507
+        case web.HTTPException():
+            return exc.status
+        case asyncio.CancelledError():
+            return CLIENT_CLOSED
+    return 500
+
+
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    """One completion request, with its timeline (``node.traces``) from arrival to the answer's end."""
+    node = request.app[NODE]
+    entry = request.headers.get(ENTRY_HEADER) if _mesh_peer(request) else None
+    trace = node.traces.begin(request[REQUEST_ID], request[TRACE], request.path, entry)
+    try:
+        resp = await _complete_traced(request, chat, trace)
+    except BaseException as exc:
+        node.traces.finish(trace, _status_of(exc))
+        raise
+    node.traces.finish(trace, CLIENT_CLOSED if request.get(CLIENT_GONE) else resp.status)
+    return resp
+
+
+async def _complete_traced(request: web.Request, chat: bool, trace) -> web.StreamResponse:
     node = request.app[NODE]
     if node.stopping:
         raise SupernodeChanged("this peer is shutting down; send the request to another peer")
@@ -209,6 +250,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     if not node.view.is_supernode:
         if _mesh_peer(request):  # a peer took this one for the supernode: not a chain of proxies
             raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})")
+        trace.proxied, trace.supernode = True, node.view.supernode  # its timeline is the supernode's
         return await proxy_completion(node, request, body, chat)
     engine_ready = await node.serving_parts_soon()
     if engine_ready is None:
@@ -228,11 +270,12 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     # Every choice is admitted before any answer goes out: a full KV budget is a 503, not a
     # 200 whose stream then says so.
     cid = completion_id(req.chat)
-    sessions = []
+    sessions = trace.sessions = []
+    trace.admit()
     try:
         for i in range(req.choices):
             sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume),
-                                                req.priority, client, cid))
+                                                req.priority, client, cid, trace=trace if i == 0 else None))
         if req.stream:
             return await _stream(request, node, req, sessions, tokenizer, body, cid)
         return await _whole(request, node, req, sessions, tokenizer, body, cid)
@@ -480,6 +523,7 @@ def make_app(node: Daemon) -> web.Application:
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)
     dashboard.add_routes(app)
+    Observe(_mesh_peer).add_routes(app)  # /live, /traces, /metrics/targets
     app.router.add_post("/v1/mesh/drain", drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -12,9 +12,11 @@ from meshd.config import Config
 from meshd.control.mesh import MeshView
 from meshd.control.store import ModelStore
 from meshd.serving.batch import BatchRunner
+from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler
+from meshd.serving.traces import TraceContext, TraceStore
 from protocol.messages import NodeId
 from shards.tokenizer import MeshTokenizer
 
@@ -30,7 +32,7 @@ class Upstream(Protocol):
 
     def supernode_post(self, path: str, body: object, authorization: str = "",
                        timeout: aiohttp.ClientTimeout | None = None, client: str = "",
-                       request_id: str = "") -> AsyncContextManager:
+                       request_id: str = "", traceparent: str = "") -> AsyncContextManager:
         """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
     async def wait_upstream_change(self, mark: tuple) -> None:
@@ -52,6 +54,8 @@ class Daemon(Upstream, Protocol):
     pipeline: Pipeline
     metrics: NodeMetrics
     batches: BatchRunner
+    traces: TraceStore
+    live: LiveFeed
 
     @property
     def model_name(self) -> str: ...
@@ -77,7 +81,12 @@ class Daemon(Upstream, Protocol):
 
     def status(self) -> dict: ...
 
+    def supernode_get(self, path: str, timeout_s: float) -> AsyncContextManager:
+        """GET a read-only path of the supernode's API over the sealed link (a member's /live, /traces)."""
+
 
 NODE = web.AppKey("node", Daemon)
 # The request's id (x-request-id), set by the API's middleware, sent upstream by the proxy.
 REQUEST_ID = web.RequestKey("request_id", str)
+# Its W3C trace context (traceparent), set by the same middleware, sent upstream and back in the answer.
+TRACE = web.RequestKey("trace", TraceContext)

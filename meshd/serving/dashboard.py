@@ -2,7 +2,10 @@
 
 The page polls this peer's /status (so it needs no route to the other peers),
 draws the mesh from it, and streams a chat completion through this peer's
-/v1/chat/completions, the same way any OpenAI client would.
+/v1/chat/completions, the same way any OpenAI client would. Its live charts poll
+/live every second (the supernode's samples, relayed by a member: serving/observe.py)
+and draw them as hand-written SVG; a request's timeline comes from /traces/{id}. The
+page loads nothing else: no build step, no script from anywhere but this page.
 """
 
 from __future__ import annotations

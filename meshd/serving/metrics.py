@@ -23,8 +23,10 @@ CLIENT_CLOSED = 499
 CLIENT_GONE = web.RequestKey("client_gone", bool)  # set by a stream whose client hung up
 
 from meshd.control.mesh import MeshView, PeerState
+from meshd.control.timing import Totals
 from meshd.hardware import process_rss
 from meshd.serving.batch import batch_families
+from meshd.serving.traces import Trace, TraceStore
 
 # Seconds; a CPU decode step is 15-75 ms, a cold prefill can take seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -64,9 +66,11 @@ def vram_used_bytes(device: str) -> int | None:
 
 
 class NodeMetrics:
-    """``view``, the device and this peer's ``status()`` are what the gauges read at scrape time."""
+    """``view``, the device, this peer's ``status()``, its requests (``traces``) and the
+    pipeline's summed step times (``totals()``) are what the gauges read at scrape time."""
 
-    def __init__(self, view: MeshView, device: str, status: Callable[[], dict]):
+    def __init__(self, view: MeshView, device: str, status: Callable[[], dict], traces: TraceStore | None = None,
+                 totals: Callable[[], Totals] | None = None):
         self.view = view
         self.device = device
         self.registry = CollectorRegistry(auto_describe=True)
@@ -82,9 +86,19 @@ class NodeMetrics:
                                  buckets=FORWARD_BUCKETS, registry=r)
         self.forward_rows = Counter("meshd_stage_forward_tokens", "Token positions run through this peer's span",
                                     registry=r)
+        self.request_seconds = Histogram("meshd_request_duration_seconds",
+                                         "Wall time of a completion request on this supernode, arrival to answer end",
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.token_rate = RateWindow()
         self.row_rate = RateWindow()
         r.register(_StateCollector(view, device, status))
+        if traces is not None:
+            r.register(_ServingCollector(traces, totals))
+
+    def request_done(self, trace: Trace) -> None:
+        """A request's end (``TraceStore.on_done``): its wall time, where it ran here."""
+        if not trace.proxied and trace.n_steps:
+            self.request_seconds.observe(trace.wall_s)
 
     # -- events ----------------------------------------------------------------------
 
@@ -224,7 +238,48 @@ class _StateCollector:
             counter = CounterMetricFamily(f"meshd_prefix_cache_{name}", what)
             counter.add_metric([], prefix[name])
             yield counter
+        sched = status["node"]["scheduler"]
+        kv = GaugeMetricFamily("meshd_kv_reserved_tokens", "KV positions reserved by running sessions (prompt + max_tokens)")
+        kv.add_metric([], sched["kv_reserved"])
+        yield kv
+        kv = GaugeMetricFamily("meshd_kv_budget_tokens", "KV positions the supernode admits sessions up to (0: no budget)")
+        kv.add_metric([], sched["kv_budget"] or 0)
+        yield kv
         batch = GaugeMetricFamily("meshd_sessions_batch", "Of those, batch-job lines (interactive ones go first)")
         batch.add_metric([], status["node"]["scheduler"]["batch_sessions"])
         yield batch
         yield from batch_families(status["batches"])
+
+
+class _ServingCollector:
+    """Requests running and queued, and where the pipeline's time went per peer (read at scrape time)."""
+
+    def __init__(self, traces: TraceStore, totals: Callable[[], Totals] | None):
+        self.traces = traces
+        self.totals = totals
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        running, queued = self.traces.counts()
+        gauge = GaugeMetricFamily("meshd_requests_running", "Completion requests on this supernode past their first step")
+        gauge.add_metric([], running)
+        yield gauge
+        gauge = GaugeMetricFamily("meshd_requests_queued",
+                                  "Completion requests on this supernode waiting for their first step")
+        gauge.add_metric([], queued)
+        yield gauge
+        seconds = CounterMetricFamily("meshd_pipeline_seconds",
+                                      "Seconds of this supernode's steps, by part (stage: a peer's forward; wait: "
+                                      "its engine's queue; hop: the link there and back; sample: embedding, head "
+                                      "and sampling) and peer", labels=["part", "peer"])
+        calls = CounterMetricFamily("meshd_pipeline_calls", "Forwards through each peer's span in this supernode's "
+                                                            "steps", labels=["peer"])
+        totals = self.totals() if self.totals is not None else Totals()
+        for (part, peer), value in sorted(totals.seconds.items()):
+            seconds.add_metric([part, peer], value)
+        for peer, value in sorted(totals.calls.items()):
+            calls.add_metric([peer], value)
+        yield seconds
+        yield calls

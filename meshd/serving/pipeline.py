@@ -14,6 +14,7 @@ it, so the caller only ever sees the right next-token logits or NoCapacity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import structlog
 import torch
 
 from meshd.control.runner import LocalRunner, StageRunner
+from meshd.control.timing import SAMPLE, STEP_TIMES, StepTimes, Totals
 from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
 
@@ -48,8 +50,10 @@ class ActivePlan:
 
 class Pipeline:
     def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0,
-                 on_stage_failed: Callable[[str], None] | None = None):
+                 on_stage_failed: Callable[[str], None] | None = None, node: str = ""):
         self.on_stage_failed = on_stage_failed
+        self.node = node  # this peer's id: its head work in a step's times
+        self.totals = Totals()  # every timed step's parts, summed (live figures, /metrics)
         # A callable, because the supernode's engine is replaced when its own span changes.
         self._head_engine = head_engine_fn
         self._plan: ActivePlan | None = None
@@ -106,12 +110,31 @@ class Pipeline:
             assert self._plan is not None
             return self._plan
 
-    async def step(self, sessions: list, pick: Callable[[object, torch.Tensor], int]) -> dict[str, int | None]:
+    async def step(self, sessions: list, pick: Callable[[object, torch.Tensor], int],
+                   times: StepTimes | None = None) -> dict[str, int | None]:
         """One forward of a batch through the plan: each session contributes the
         rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
         per session its next token, ``pick(session, logits [V])`` (run on the engine's
         thread), or None while its prompt (or replay) still has rows to go. A lost peer makes the step wait for the next plan and
-        replay every session of the batch from position 0."""
+        replay every session of the batch from position 0. ``times`` (ended here) gets
+        where the step's time went."""
+        if times is None:
+            return await self._step(sessions, pick)
+        with self._timed(times):
+            return await self._step(sessions, pick)
+
+    @contextlib.contextmanager
+    def _timed(self, times: StepTimes):
+        """The runners' calls in this block add their share to ``times`` (``STEP_TIMES``)."""
+        token = STEP_TIMES.set(times)
+        try:
+            yield
+        finally:
+            STEP_TIMES.reset(token)
+            times.ended = time.monotonic()
+            self.totals.add(times)
+
+    async def _step(self, sessions: list, pick: Callable[[object, torch.Tensor], int]) -> dict[str, int | None]:
         failed_term: int | None = None
         attempts = 0
         while True:
@@ -152,11 +175,17 @@ class Pipeline:
             out.update(picked)
             return out
 
-    async def prefill(self, session) -> None:
+    async def prefill(self, session, times: StepTimes | None = None) -> None:
         """Bring the session's stage caches up to all of its tokens but the last (whose
         logits a step computes), as a wavefront through the active plan; a no-op where
         that is at most one chunk or the plan has one stage. PeerLost leaves the session
         for a step to replay."""
+        if times is None:
+            return await self._prefill(session)
+        with self._timed(times):
+            return await self._prefill(session)
+
+    async def _prefill(self, session) -> None:
         plan = self._plan
         if plan is None:
             return
@@ -195,7 +224,7 @@ class Pipeline:
         left = [[asyncio.Event() for _ in runners] for _ in chunks]  # chunk i has left stage j
 
         async def chunk(i: int, a: int, b: int) -> None:
-            hidden = await engine.embed(s.tokens[a:b])
+            hidden = await self._embed(engine, s.tokens[a:b])
             for j, runner in enumerate(runners):
                 if i:
                     await left[i - 1][j].wait()
@@ -237,7 +266,9 @@ class Pipeline:
         logits = await _together(self._run(plan, group, engine, [row for _, row in done], lambda lg: lg)
                                  for group, done in zip(groups, dones))
         finished = [(s, lg) for done, rows in zip(dones, logits) if done for (s, _), lg in zip(done, rows)]
+        began = time.monotonic()
         picked = await engine.run(lambda: [pick(s, lg) for s, lg in finished])
+        self._sampled(began)
         return {s.id: token for (s, _), token in zip(finished, picked)}
 
     async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
@@ -258,7 +289,7 @@ class Pipeline:
             local = isinstance(runner, LocalRunner) and runner.chains(engine)
             embeds, heads = local and i == 0, local and i == len(runners) - 1 and bool(rows)
             if i == 0 and not embeds:
-                hidden = await engine.embed(tokens)
+                hidden = await self._embed(engine, tokens)
             if embeds or heads:
                 out = await runner.step(plan.term, segments, tokens if embeds else None, None if embeds else hidden,
                                         rows if heads else None, pick_rows if heads else None)
@@ -271,7 +302,21 @@ class Pipeline:
             raise PeerLost("the head changed during the step (the plan moved)")
         if not rows:
             return []
-        return await engine.head_then(hidden, rows, pick_rows)
+        began = time.monotonic()
+        out = await engine.head_then(hidden, rows, pick_rows)
+        self._sampled(began)
+        return out
+
+    async def _embed(self, engine, tokens: list[int]) -> torch.Tensor:
+        began = time.monotonic()
+        hidden = await engine.embed(tokens)
+        self._sampled(began)
+        return hidden
+
+    def _sampled(self, began: float) -> None:
+        """The supernode's own head work (embedding, head, picks) since ``began``, in the step's times."""
+        if (times := STEP_TIMES.get()) is not None:
+            times.add(SAMPLE, self.node, time.monotonic() - began)
 
     async def release(self, session) -> None:
         """Free the session's KV caches on every stage of the plan it ran under."""

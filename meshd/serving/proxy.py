@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from meshd.errors import NoCapacity
-from meshd.serving.daemon import REQUEST_ID, Upstream
+from meshd.serving.daemon import REQUEST_ID, TRACE, Upstream
 from meshd.serving.guards import CLIENT_KEY
 from meshd.serving.openai import (
     DONE,
@@ -197,8 +197,10 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
     silence = aiohttp.ClientTimeout(total=None, sock_read=node.config.heartbeat_s * node.config.missed_beats + 1)
     # Over the sealed link (the client's own key goes along: the supernode's keys apply).
     request = client.request
+    ctx = request.get(TRACE)
     async with node.supernode_post(request.path, upstream_body, request.headers.get("Authorization", ""), silence,
-                                   client=request.get(CLIENT_KEY, ""), request_id=request.get(REQUEST_ID, "")) as up:
+                                   client=request.get(CLIENT_KEY, ""), request_id=request.get(REQUEST_ID, ""),
+                                   traceparent=ctx.header() if ctx is not None else "") as up:
         if up.status != 200:
             payload = await up.read()
             try:

@@ -23,9 +23,11 @@ from enum import IntEnum
 import structlog
 import torch
 
+from meshd.control.timing import StepTimes
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
+from meshd.serving.traces import Chain
 from shards.engine import URGENT
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
@@ -92,6 +94,7 @@ class Session:
     kv: str = ""
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by position in ``generated``
     streamed: bool = False
+    trace: object = None  # its request's timeline (serving/traces.py), on a request's first choice
 
     def __post_init__(self) -> None:
         self.kv = self.kv or self.id
@@ -138,7 +141,7 @@ def rotate_batch(sessions: list[Session], stepped: list[Session]) -> list[Sessio
 
 
 class Lane:
-    def __init__(self, index: int, first_tokens: bool = False):
+    def __init__(self, index: int, first_tokens: bool = False, node: str = ""):
         self.index = index
         # The lane that gives new sessions their first token, in steps of their own, before
         # they join a decode lane (see Scheduler._enqueue).
@@ -146,6 +149,7 @@ class Lane:
         self.sessions: list[Session] = []
         self.wake = asyncio.Event()
         self.steps = 0
+        self.chain = Chain(node)  # its steps' running sums, for its sessions' timelines
 
 
 class Scheduler:
@@ -157,7 +161,8 @@ class Scheduler:
         self.on_finished = on_finished  # after each generation ends (a drain waits for none to be left)
         self.active: dict[str, Session] = {}
         # The decode lanes, then the first-token lane (last: ``_enqueue`` slices the decode ones).
-        self.lanes = [Lane(i) for i in range(MAX_LANES)] + [Lane(MAX_LANES, first_tokens=True)]
+        self.lanes = ([Lane(i, node=pipeline.node) for i in range(MAX_LANES)]
+                      + [Lane(MAX_LANES, first_tokens=True, node=pipeline.node)])
         self.reserved_tokens = 0
         self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
         self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
@@ -189,8 +194,9 @@ class Scheduler:
                 lane.sessions = rotate_batch(lane.sessions, batch)
             for s in batch:
                 s.in_step = True
+            times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
             try:
-                results = await self.pipeline.step(batch, _pick)
+                results = await self.pipeline.step(batch, _pick, times)
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
@@ -208,11 +214,14 @@ class Scheduler:
                     if s.finished:
                         await self._release(s)
             lane.steps += 1
+            lane.chain.link(times)
             if len(batch) > 1:
                 self.shared_steps += 1
             self.max_batch = max(self.max_batch, len(batch))
             for s in batch:
                 token = results.get(s.id)
+                if s.trace is not None:
+                    s.trace.stepped(times, token is not None)
                 if token is None or s.finished:
                     continue
                 if token in s.eos:
@@ -314,8 +323,9 @@ class Scheduler:
         that lane's running streams for the whole prompt); then into a lane for its last
         token and the decode."""
         session.in_step = True
+        times = StepTimes()
         try:
-            await self.pipeline.prefill(session)
+            await self.pipeline.prefill(session, times)
         except PeerLost:
             session.term = None  # a lane's step replays it under the next plan
         except KNOWN_ERRORS as exc:
@@ -323,6 +333,8 @@ class Scheduler:
             self._finish(session, exc)
         finally:
             session.in_step = False
+            if session.trace is not None:
+                session.trace.stepped(times, False)
         if session.finished:
             await self._release(session)
         else:
@@ -369,10 +381,12 @@ class Scheduler:
     # -- one client's generation --------------------------------------------------------
 
     def open(self, prompt_ids: list[int], params: SamplingParams, history: list[int] | None = None,
-             priority: Priority = Priority.INTERACTIVE, client: str | None = None, request: object = None) -> Session:
+             priority: Priority = Priority.INTERACTIVE, client: str | None = None, request: object = None,
+             trace: object = None) -> Session:
         """Admit one generation (NoCapacity when the KV budget is full, before any answer
         went out); ``history`` resumes one whose first tokens were already produced (a
-        resubmission after a supernode loss). Stream it with ``stream``, or ``close`` it."""
+        resubmission after a supernode loss). Stream it with ``stream``, or ``close`` it.
+        ``trace`` (a ``traces.Trace``) gets the steps that carry it."""
         assert self.tokenizer is not None, "the scheduler serves only once a model is loaded"
         mask = None
         if params.grammar is not None:
@@ -383,7 +397,7 @@ class Scheduler:
                           priority=priority,
                           # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
                           client=client if priority is Priority.INTERACTIVE else None,
-                          request=request if request is not None else object())
+                          request=request if request is not None else object(), trace=trace)
         self._admit(session)
         return session
 

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from meshd.tools import batchctl
+from meshd.tools import batchctl, observe
 from meshd.tools.client import Unreachable, auth_headers, base_url, render_table
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -337,6 +337,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--chat", action="store_true", help="as a chat message (the model's chat template)")
     gen.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each token")
+    observe.add_parsers(sub, command)
     batchctl.add_parser(sub, _Parser)
     return top
 
@@ -344,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     commands = {"status": cmd_status, "plan": cmd_plan, "peers": cmd_peers, "drain": cmd_drain,
-                "generate": cmd_generate, "batch": batchctl.run}
+                "generate": cmd_generate, "batch": batchctl.run, "trace": observe.cmd_trace, "top": observe.cmd_top}
     try:
         return commands[args.command](args)
     except Unreachable as exc:
