@@ -117,6 +117,20 @@ async def test_plans_it_must_not_follow_are_rejected_with_the_code_to_act_on(pee
     assert cannot.code is RejectCode.CANNOT_LOAD and cannot.capacity == 3 * GiB, cannot
 
 
+async def test_a_commit_read_before_its_plan_is_followed_once_the_plan_is_prepared(peer):
+    """A peer the plan gives no span gets Plan and Commit at once; the read loop settles the
+    Commit inline while the Plan waits for its task, so the Commit can come first. The plan
+    is followed all the same (it used to be ignored, and the peer never served)."""
+    m = peer.manifest
+    p = Plan(3, NodeId("a"), m.name, m.digest, (Assignment(NodeId("a"), Span(0, m.n_layers)),))
+    peer.follower.on_commit(peer.sup, Commit(3))
+    peer.follower.on_commit(peer.other, Commit(3))  # not from its supernode: never followed
+    assert peer.view.plan is None
+    await peer.follower.on_plan(peer.sup, p)
+    assert peer.view.plan == p and peer.view.supernode == "a" and peer.store.engine is None
+    assert not peer.sup.of(Accept)  # no span, nothing to accept
+
+
 async def test_a_commit_or_a_frame_of_another_term_changes_nothing(peer):
     m = peer.manifest
     await peer.follower.on_plan(peer.sup, plan(m, term=3))

@@ -61,6 +61,10 @@ class Follower:
         self.pending: Plan | None = None  # the latest plan received, while it loads
         self.prepared: tuple[Plan, StageEngine | None] | None = None  # loaded, awaiting Commit
         self._timed: Measured | None = None  # its real layer, timed after a load (see _timing)
+        # Commits read before their Plan's task ran (a peer with no span gets both at once, and
+        # the read loop settles a Commit inline while a Plan waits for its task): the latest
+        # term each linked peer committed.
+        self._early_commits: dict[NodeId, int] = {}
 
     def runner(self, engine: StageEngine) -> LocalRunner:
         """This peer's span for its own supernode's pipeline."""
@@ -91,6 +95,8 @@ class Follower:
         if self.pending is not plan:
             return  # a newer plan came while this one loaded
         self.prepared = (plan, engine)
+        if self._early_commits.get(link.peer_id) == plan.term:
+            self.on_commit(link, Commit(plan.term))
         if mine is not None:
             await _reply(link, Accept(plan.term, mine, await self._timing(plan.model, engine)))
 
@@ -112,9 +118,15 @@ class Follower:
     def on_commit(self, link: Link, commit: Commit) -> None:
         prepared = self.prepared
         if prepared is None or prepared[0].term != commit.term or prepared[0].supernode != link.peer_id:
-            log.warning("commit_ignored", term=commit.term, peer=link.peer_id)
+            if prepared is None or prepared[0].term < commit.term:
+                # Its plan may not have been read yet: it is followed once prepared (on_plan).
+                self._early_commits[link.peer_id] = commit.term
+                log.info("commit_before_plan", term=commit.term, peer=link.peer_id)
+            else:
+                log.warning("commit_ignored", term=commit.term, peer=link.peer_id)
             return
         self.prepared = None
+        self._early_commits.clear()
         plan, engine = prepared
         self.authority.follow(plan, engine, reason=f"plan of supernode {link.peer_id}")
         log.info("plan_active", term=commit.term, supernode=link.peer_id)
