@@ -15,6 +15,7 @@ step: 15-75 ms on a CPU peer for a batch (DESIGN.md), a few ms on a GPU.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import timeit
@@ -73,4 +74,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     main()

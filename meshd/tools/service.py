@@ -104,6 +104,7 @@ mesh = "home"                 # peers of other meshes are ignored
 port = 8470
 host = "0.0.0.0"
 model = "smollm2-135m"        # a name in the state dir, or a model directory
+# chat_template = "gemma"     # for a model without one: chatml, llama3, gemma, mistral, phi3, qwen, or a .jinja file
 device = "auto"               # auto, cpu, cuda, mps
 dtype = "auto"
 # peer = ["10.0.0.2:8470"]    # static peers where multicast does not pass
