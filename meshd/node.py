@@ -173,7 +173,8 @@ class Node:
         self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn,
                                           self.local_token)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
-                                 on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost)
+                                 on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost,
+                                 on_beat=self.leader.beat)
         self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
         self.live = LiveFeed(self.view, config.name, self.scheduler, lambda: self.pipeline.totals, self.traces,
                              self.batches.status)  # a sample a second, the last 15 minutes

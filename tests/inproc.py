@@ -46,6 +46,17 @@ class FakeLink:
     def caps(self) -> Capabilities:
         return self.hello.caps
 
+    @property
+    def rtt_floor_ms(self) -> float | None:
+        return self.rtt_ms
+
+    @property
+    def rtt_samples(self) -> int:
+        return 8
+
+    async def call_ping(self) -> None:
+        pass
+
     async def send(self, msg: Message) -> None:
         self.sent.append(msg)
         if self.answer is not None:

@@ -193,3 +193,23 @@ async def test_timings_learned_from_the_accepts_rebalance_the_plan_once(mesh, ti
     assert m.leader.rebalances == 1
     await m.view.changes.wait_for(lambda: False, 0.5)  # time enough for a (wrong) third plan
     assert m.view.plan is later and len(m.pipeline.served) == 2
+
+
+async def test_a_hop_that_settles_lower_gives_the_idle_peer_layers(mesh):
+    """A peer that has just started answers its first ping late (its loop is loading): the
+    plan weighed on that hop leaves it idle. Once its round trips settle, a heartbeat weighs
+    the plan again and the peer gets a span, which is what two equal peers should share."""
+    b = Peer("b", 8 * GiB, layer_ms=20.0)
+    b.rtt_ms = 1000.0  # more than the whole model costs "a"
+    m = mesh(b)
+    m.leader.view_changed("start")
+    first = await active(m)
+    assert nodes(first) == {"a"}
+    m.leader.beat()  # nothing moved: no plan
+    b.rtt_ms = 0.3
+    m.leader.beat()
+    later = await active(m, term_above=first.term)
+    assert nodes(later) == {"a", "b"} and m.leader.rebalances == 1
+    m.leader.beat()  # settled: no third plan
+    await m.view.changes.wait_for(lambda: False, 0.5)
+    assert m.view.plan is later

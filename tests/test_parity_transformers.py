@@ -55,8 +55,9 @@ def hf_model_from_shards(model_dir):
 
 
 def hf_greedy(model, ids, n):
-    """Greedy with transformers' own KV cache; returns tokens and the prompt's logits."""
-    out, past = [], None
+    """Greedy with transformers' own KV cache; returns tokens, the prompt's logits and, per
+    step, how far its top token led the next one (relative to the largest logit)."""
+    out, margins, past = [], [], None
     feed = torch.tensor([ids])
     with torch.inference_mode():
         for step in range(n):
@@ -64,10 +65,28 @@ def hf_greedy(model, ids, n):
             if step == 0:
                 prompt_logits = res.logits[0].float()
             past = res.past_key_values
-            nxt = int(res.logits[0, -1].argmax())
+            last = res.logits[0, -1].float()
+            top = last.topk(2).values
+            margins.append(float((top[0] - top[1]) / last.abs().max()))
+            nxt = int(last.argmax())
             out.append(nxt)
             feed = torch.tensor([[nxt]])
-    return out, prompt_logits
+    return out, prompt_logits, margins
+
+
+# Two float32 implementations sum in different orders (and with the threads the process
+# has): where transformers' own top two tokens are this close, either may win, and the
+# greedy continuations part there without either being wrong. Measured on SmolLM2 fp32:
+# logits agree to ~1e-6 relative, so a real divergence shows far above this.
+TIE = 1e-5
+
+
+def same_greedy(got, want, margins) -> bool:
+    """Token for token, up to a step where transformers' top two were tied."""
+    for g, w, margin in zip(got, want, margins):
+        if g != w:
+            return margin < TIE
+    return len(got) == len(want)
 
 
 def _compare(model_dir, stage, n):
@@ -76,7 +95,7 @@ def _compare(model_dir, stage, n):
     worst = 0.0
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        want, hf_logits = hf_greedy(hf, ids, n)
+        want, hf_logits, margins = hf_greedy(hf, ids, n)
         with torch.inference_mode():
             ours_logits = stage.head(stage(stage.embed(torch.tensor(ids)), 0, stage.new_caches()))
         diff = (ours_logits - hf_logits).abs().max().item()
@@ -85,7 +104,7 @@ def _compare(model_dir, stage, n):
         got = generate_greedy(stage, ids, n)
         print(f"\n{prompt!r}: max abs logit diff {diff:.3e} (relative {rel:.2e}); "
               f"{n} greedy tokens equal: {got == want}; text {tok.decode(got)!r}")
-        assert got == want
+        assert same_greedy(got, want, margins), (got, want, margins)
         assert rel < 1e-3
     return worst
 

@@ -49,6 +49,13 @@ VIEW_RETRY_FIRST_S = 0.1
 # layers only then): each needs new timings and a clear gain (placement.REBALANCE_MARGIN),
 # and this bounds them for the life of this peer, so a noisy box cannot keep the mesh re-planning.
 MAX_REBALANCES = 2
+# The links' round trip (the hop a span off the supernode pays) may move this far from the
+# one a plan was weighed on before the plan is weighed again (bounded by MAX_REBALANCES too).
+HOP_SLACK_MS = 0.5
+HOP_SLACK = 0.5
+# A plan is weighed on a link's round trip only once it has this many (pinged this far apart).
+RTT_SAMPLES_TO_PLAN = 3
+PING_GAP_S = 0.05
 
 
 class PlanSink(Protocol):
@@ -83,6 +90,7 @@ class Leader:
         self._replies_term = 0  # the term of the plan those replies answer
         self._learned = False  # a peer sent new timings since the last rebalance check
         self.rebalances = 0
+        self._weighed_on: tuple[Manifest, float] | None = None  # the active plan's model and hop_ms
 
     # -- the election loop ---------------------------------------------------------------
 
@@ -196,6 +204,7 @@ class Leader:
             await self._cannot_serve(NotServing.NO_MODEL, f"the supernode has no model: {exc}")
             return
         chat_template = self.use_model(model_dir, manifest)
+        await self._sample_round_trips()
         excluded: dict[NodeId, str] = {}
         view_retries = 0
         while True:
@@ -217,7 +226,7 @@ class Leader:
                         chat_template=chat_template)
             log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments),
                      stage_ms=" ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs)),
-                     head_ms=round(costs.head_ms, 2))
+                     head_ms=round(costs.head_ms, 2), hop_ms=round(costs.hop_ms, 2))
             self._replies_term = term  # replies are matched by it
             self._replies = {a.node: asyncio.get_running_loop().create_future()
                              for a in assignments if a.node != view.node_id}
@@ -269,7 +278,37 @@ class Leader:
         self.spawn(store.replicate())
         log.info("plan_active", term=term, seconds=round(time.monotonic() - t0, 2),
                  plan=" ".join(f"{a.node}={a.span}" for a in assignments))
+        self._weighed_on = (manifest, costs.hop_ms)
         self._check_balance(manifest, assignments)
+
+    async def _sample_round_trips(self) -> None:
+        """Ping a link with few round trips yet (a peer that has just joined) a few times
+        before planning: its first Pong may have waited behind the peer's start, and a plan
+        weighed on that one figure can leave the peer without a span."""
+        for _ in range(RTT_SAMPLES_TO_PLAN):
+            fresh = [link for link in self.view.live_links().values() if link.rtt_samples < RTT_SAMPLES_TO_PLAN]
+            if not fresh:
+                return
+            for link in fresh:
+                with contextlib.suppress(PeerLost):
+                    await link.call_ping()
+            await asyncio.sleep(PING_GAP_S)
+
+    def beat(self) -> None:
+        """Each heartbeat: weigh the active plan again when the links' round trips settled far
+        from the one it was made on. A peer that has just started answers its first ping late
+        (its loop is busy loading): a plan weighed on that hop can leave it idle for good."""
+        view = self.view
+        if self._weighed_on is None or view.plan is None or not view.is_supernode or self.negotiating():
+            return
+        manifest, hop = self._weighed_on
+        now = view.hop_ms()
+        if abs(now - hop) <= max(HOP_SLACK_MS, HOP_SLACK * hop):
+            return
+        log.info("hop_settled", planned_ms=round(hop, 3), now_ms=round(now, 3))
+        self._weighed_on = (manifest, now)
+        self._learned = True
+        self._check_balance(manifest, view.plan.assignments)
 
     def _weighed(self, manifest: Manifest, excluded: Mapping[NodeId, str] | None = None
                  ) -> tuple[list[Candidate], Costs]:

@@ -34,7 +34,8 @@ class LinkKeeper:
     def __init__(self, config: Config, view: MeshView, identity: LocalIdentity,
                  http: Callable[[], aiohttp.ClientSession], spawn: Callable[[Coroutine], object],
                  handle: Callable[[Link, Message], Awaitable[None]],
-                 on_joined: Callable[[NodeId], None], on_lost: Callable[[NodeId, str], None]):
+                 on_joined: Callable[[NodeId], None], on_lost: Callable[[NodeId, str], None],
+                 on_beat: Callable[[], None] = lambda: None):
         self.config = config
         self.view = view
         self.identity = identity
@@ -43,6 +44,7 @@ class LinkKeeper:
         self.handle = handle  # every message the link's read loop does not settle itself
         self.on_joined = on_joined
         self.on_lost = on_lost
+        self.on_beat = on_beat  # each heartbeat, after the pings (the leader re-weighs hops)
         self.events: asyncio.Queue[DiscoveryEvent] = asyncio.Queue()  # discovery's PeerSeen / PeerGone
         self.adverts: dict[str, Advert] = {}  # what mDNS lists now
         self._dialing: set[str] = set()
@@ -218,6 +220,7 @@ class LinkKeeper:
                 else:
                     self.spawn(self.ping(link))
             self.view.forget_lost(LOST_SHOWN_S)
+            self.on_beat()
             await asyncio.sleep(beat)
 
     async def ping(self, link: Link) -> None:

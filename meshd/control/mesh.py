@@ -162,8 +162,8 @@ class MeshView:
         return elect(self.candidates())
 
     def hop_ms(self) -> float:
-        """The median measured link RTT, the cost of sending a span off the supernode."""
-        rtts = sorted(link.rtt_ms for link in self.live_links().values() if link.rtt_ms is not None)
+        """The median of the links' RTT floors, the cost of sending a span off the supernode."""
+        rtts = sorted(f for link in self.live_links().values() if (f := link.rtt_floor_ms) is not None)
         return rtts[len(rtts) // 2] if rtts else DEFAULT_HOP_MS
 
     def span_of(self, peer: NodeId) -> list[int] | None:

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import Enum
 
@@ -50,6 +51,8 @@ CLOSE_PROTOCOL = 4002
 CLOSE_DUPLICATE = 4003
 CLOSE_LOST = 4004
 CLOSE_BYE = 4005
+# Round trips kept per link for its floor (one a heartbeat: the last several seconds).
+RTT_WINDOW = 8
 
 
 class LinkState(Enum):
@@ -79,7 +82,8 @@ class Link:
         self.dialed = dialed
         self.max_frame = max_frame
         self.state = LinkState.READY
-        self.rtt_ms: float | None = None
+        self.rtt_ms: float | None = None  # the last round trip, as shown
+        self._rtts: deque[float] = deque(maxlen=RTT_WINDOW)
         self.ram_used: int | None = None  # the peer's resident memory, from its last Pong
         self.last_heard = time.monotonic()
         self.bytes_sent = 0
@@ -92,6 +96,17 @@ class Link:
         self._send_lock = asyncio.Lock()
         self._delay = (0.0, 0.0)
         self._last_due = 0.0
+
+    @property
+    def rtt_floor_ms(self) -> float | None:
+        """The least of the last few round trips: what the network costs. The rest is time
+        the Pong waited behind a busy event loop (a peer that has just started, a host
+        running other work), which a plan made on it would keep paying for nothing."""
+        return min(self._rtts) if self._rtts else None
+
+    @property
+    def rtt_samples(self) -> int:
+        return len(self._rtts)
 
     @property
     def caps(self):
@@ -187,6 +202,7 @@ class Link:
                         await self.send(Pong(seq, sent, process_rss()))
                     case Pong(sent=sent, ram_used=ram_used):
                         self.rtt_ms = (time.monotonic() - sent) * 1000.0
+                        self._rtts.append(self.rtt_ms)
                         self.ram_used = ram_used or None
                     case ResultBatch(req=req):
                         self._settle(req, msg)

@@ -57,6 +57,8 @@ def build_status(node: Daemon) -> dict:
             "ram_used": link.ram_used,  # its resident memory, from its last Pong (None: not heard yet)
             "layers": view.span_of(pid), "state": view.state(pid),
             "rtt_ms": round(link.rtt_ms, 3) if link.rtt_ms is not None else None,
+            # the least of its last few round trips: the hop placement weighs a span there by
+            "rtt_floor_ms": round(f, 3) if (f := link.rtt_floor_ms) is not None else None,
             "measured": _measured(view.measured.get(pid, link.caps.measured)),
         })
     for pid, lost in sorted(view.lost.items()):
