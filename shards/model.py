@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shards.errors import ModelError
 from shards import qlinear, quant, rowops
@@ -195,7 +196,17 @@ class Attention(nn.Module):
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:  # [1, heads, T|S, hd] -> [nh, T, hd]
         gqa = self.n_heads != self.n_kv_heads
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa, **kw)[0]
         return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa, **kw)[0]
+
+
+# On CUDA, torch prefers its cuDNN attention, which builds a plan for every new shape: a decode
+# row against a KV length the process has not seen cost 47-65 ms on an H200 (0.04 ms once
+# seen), so every new position of every session stalled. The flash and memory-efficient
+# kernels take any length at ~0.06 ms; math is the fallback for what they refuse.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class FeedForward(nn.Module):

@@ -207,3 +207,20 @@ async def test_engine_bfloat16_on_cpu(tiny_model_dir):
     finally:
         eng.close()
         ref.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_at_new_lengths_never_runs_cudnn_attention(tiny_model_dir):
+    """Each decode row meets a KV length the process has not seen: cuDNN's attention would
+    build a plan for each (tens of ms, measured on an H200), so decode must not use it; and
+    the CUDA stage still decodes what the CPU stage does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = MeshTokenizer.load(tiny_model_dir).encode(PROMPT)
+    cpu = load_stage(tiny_model_dir, Span(0, 6), True, True)[0]
+    gpu = load_stage(tiny_model_dir, Span(0, 6), True, True, "cuda", torch.float32)[0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = generate_greedy(gpu, ids, 24)
+    kernels = {e.name for e in prof.events()}
+    assert not [k for k in kernels if "cudnn" in k.lower()], sorted(kernels)
+    assert got == generate_greedy(cpu, ids, 24)
