@@ -115,5 +115,6 @@ def test_tiny_matches_transformers(tiny_model_dir):
 
 
 @pytest.mark.real_model
+@pytest.mark.timeout(900)  # 30 fp32 layers twice over on a shared box: minutes when the suite runs beside it
 def test_real_matches_transformers(real_fp32_dir, real_stage):
-    _compare(real_fp32_dir, real_stage, 32)
+    _compare(real_fp32_dir, real_stage, 24)

@@ -295,11 +295,15 @@ class Leader:
             await asyncio.sleep(PING_GAP_S)
 
     def beat(self) -> None:
-        """Each heartbeat: weigh the active plan again when the links' round trips settled far
-        from the one it was made on. A peer that has just started answers its first ping late
-        (its loop is busy loading): a plan weighed on that hop can leave it idle for good."""
+        """Each heartbeat: weigh the active plan again when a peer has no span and the links'
+        round trips settled far from the one the plan was made on. A peer that has just started
+        answers its first pings late (its loop is busy loading): a plan weighed on that hop can
+        leave it idle for good. (Peers that all hold spans keep them: a re-plan costs a load
+        and a replay, and the timings learned from the Accepts rebalance those.)"""
         view = self.view
         if self._weighed_on is None or view.plan is None or not view.is_supernode or self.negotiating():
+            return
+        if all(view.in_plan(pid) or pid in view.draining for pid in view.live_links()):
             return
         manifest, hop = self._weighed_on
         now = view.hop_ms()
