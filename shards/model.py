@@ -13,6 +13,7 @@ key-value heads, hd = head dim. There is no batch dimension: one session per cal
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
@@ -196,10 +197,8 @@ class Attention(nn.Module):
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, **kw) -> Tensor:  # [1, heads, T|S, hd] -> [nh, T, hd]
         gqa = self.n_heads != self.n_kv_heads
-        if q.is_cuda:
-            with sdpa_kernel(CUDA_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa, **kw)[0]
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa, **kw)[0]
+        with sdpa_kernel(CUDA_ATTENTION) if q.is_cuda else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa, **kw)[0]
 
 
 # On CUDA, torch prefers its cuDNN attention, which builds a plan for every new shape: a decode

@@ -44,8 +44,8 @@ def test_two_peers_split_the_real_model_on_measured_stage_times(meshlab, real_mo
         return plan, timing, other, hop, mine, theirs
 
     # Balanced: moving one layer either way would not lower the slower stage. (The first plan
-    # may be weighed on a first round trip that waited behind the new peer's loading: the
-    # supernode weighs it again once the round trips settle, within a few heartbeats.)
+    # may be weighed on the other peer's probe before its Accept brings its real timings: the
+    # supernode then re-plans once, within seconds.)
     deadline = time.monotonic() + 60
     while True:
         plan, timing, other, hop, mine, theirs = weighed()

@@ -311,8 +311,7 @@ class Leader:
             return
         log.info("hop_settled", planned_ms=round(hop, 3), now_ms=round(now, 3))
         self._weighed_on = (manifest, now)
-        self._learned = True
-        self._check_balance(manifest, view.plan.assignments)
+        self._rebalance(manifest, view.plan.assignments)
 
     def _weighed(self, manifest: Manifest, excluded: Mapping[NodeId, str] | None = None
                  ) -> tuple[list[Candidate], Costs]:
@@ -330,6 +329,11 @@ class Leader:
         if not self._learned:
             return
         self._learned = False
+        self._rebalance(manifest, assignments)
+
+    def _rebalance(self, manifest: Manifest, assignments: Sequence[Assignment]) -> None:
+        """Re-plan when a fresh plan's slowest stage, on the timings known now, beats this
+        one's by a clear margin, at most MAX_REBALANCES times."""
         if self.rebalances >= MAX_REBALANCES:
             return
         candidates, costs = self._weighed(manifest)
