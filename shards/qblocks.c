@@ -325,6 +325,20 @@ static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, _
                            _mm512_cvtepi32_ps(p), acc);
 }
 
+/* acc += sw * (x blocks j, j + 1 . u), u unsigned codes with no offset (Q4_1: its minimum
+ * is added apart, as a zero times the input block's sum) */
+static inline __m512 acc_us2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i p = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q + 32 * j)));
+    if (!x->q2)
+        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
+                               _mm512_cvtepi32_ps(p), acc);
+    __m512i p2 = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j)));
+    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), p2);
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
+                           _mm512_cvtepi32_ps(p), acc);
+}
+
 /* A Q5_0 / Q5_1 block's codes 0..31 (qh at b, qs at b + 4): the fifth bits added as a mask. */
 static inline __m256i q5_codes(const uint8_t *b) {
     uint32_t qh;
@@ -370,6 +384,14 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
         for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
 #define Q8_0_STEP(I, A) SS_STEP(Q8_0_W, Q8_0_S, I, A)
 #define Q5_0_STEP(I, A) SS_STEP(Q5_0_W, Q5_0_S, I, A)
+#define Q4_0_W(I) _mm256_sub_epi8(nibbles32(row + 18 * (I) + 2), _mm256_set1_epi8(8))
+#define Q4_0_S(I) _mm256_set1_ps(f16(row + 18 * (I)))
+#define Q4_0_STEP(I, A) SS_STEP(Q4_0_W, Q4_0_S, I, A)
+#define Q4_1_STEP(I, A) do { const uint8_t *b = row + 20 * (I); \
+        __m256i u = nibbles32(b + 4); \
+        __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
+                                        accz[r] += z * x[r].sum[(I)]; } } while (0)
 #define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
         __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
@@ -398,9 +420,37 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
         if (i < K / 32) Q5_0_STEP(i, 0);
         break;
     }
+    case Q4_0: {  /* codes 0..15, the 8 taken off in integers */
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2) {
+            const uint8_t *b0 = row + 18 * i, *b1 = b0 + 18;
+            __m512i u = pair_si(nibbles32(b0 + 2), nibbles32(b1 + 2));
+            __m512 s = pair_ps(_mm256_set1_ps(f16(b0)), _mm256_set1_ps(f16(b1)));
+            for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], u, &x[r], i, s, 3);
+        }
+        if (i < K / 32) Q4_0_STEP(i, 0);
+        break;
+    }
+    case Q4_1: {
+        int64_t i = 0;
+        for (; i + 1 < K / 32; i += 2) {
+            const uint8_t *b0 = row + 20 * i, *b1 = b0 + 20;
+            __m512i u = pair_si(nibbles32(b0 + 4), nibbles32(b1 + 4));
+            __m512 s = pair_ps(_mm256_set1_ps(f16(b0)), _mm256_set1_ps(f16(b1)));
+            float z0 = f16(b0 + 2), z1 = f16(b1 + 2);
+            for (int r = 0; r < mt; r++) {
+                acc5[r] = acc_us2(acc5[r], u, &x[r], i, s);
+                accz[r] += z0 * x[r].sum[i] + z1 * x[r].sum[i + 1];
+            }
+        }
+        if (i < K / 32) Q4_1_STEP(i, 0);
+        break;
+    }
 #else
     case Q8_0: PAIRS(Q8_0_STEP); break;
     case Q5_0: PAIRS(Q5_0_STEP); break;
+    case Q4_0: PAIRS(Q4_0_STEP); break;
+    case Q4_1: PAIRS(Q4_1_STEP); break;
 #endif
     case Q5_1: PAIRS(Q5_1_STEP); break;
     case Q6_K:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from shards.errors import ModelError
-from shards.quant import GGUF_BLOCKS, unpack_int4
+from shards.quant import GGUF_BLOCKS, INT4_BLOCKS, unpack_int4
 
 log = structlog.get_logger()
 
@@ -48,7 +48,7 @@ SOURCE = Path(__file__).with_name("qblocks.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 # GGUF type name -> (ggml type id, weights per block, bytes per block): what pack() and the
 # kernel take (the sizes are shards/quant.py's GGUF_BLOCKS).
-_GGML_IDS = {"Q8_0": 8, "Q5_0": 6, "Q5_1": 7, "Q6_K": 14, "Q5_K": 13, "Q4_K": 12}
+_GGML_IDS = {"Q8_0": 8, "Q5_0": 6, "Q5_1": 7, "Q6_K": 14, "Q5_K": 13, "Q4_K": 12, "Q4_0": 2, "Q4_1": 3}
 TYPES = {name: (_GGML_IDS[name], *GGUF_BLOCKS[name]) for name in GGUF_BLOCKS}
 TWO_PASS = True
 
@@ -206,7 +206,10 @@ def _fits(t: Mapping[str, Tensor], source: str) -> Tensor:
 
 
 def segments(t: Mapping[str, Tensor], source: str, group: int, chunk: int = 4096) -> list[tuple[int, int, str]]:
-    """[(r0, r1, type)] covering the rows of a stored int8 layout, runs of one block type."""
+    """[(r0, r1, type)] covering the rows of a stored layout, runs of one block type. An int4
+    layout (Q4_0, Q4_1, Q4_K) is its own type throughout (pack checks it holds exactly)."""
+    if source in INT4_BLOCKS:
+        return [(0, t["qweight"].shape[0], source)]
     cands = _FAMILY.get((group, t.get("zeros") is not None), ())
     cands = (source, *(c for c in cands if c != source)) if source in cands else cands
     if not cands:
@@ -228,7 +231,7 @@ def pack(t: Mapping[str, Tensor], source: str) -> Tensor:
     if source not in TYPES:
         raise ModelError(f"no block kernel for {source}")
     q = t["qweight"]
-    if source == "Q4_K":
+    if source in INT4_BLOCKS:
         q = unpack_int4(q).to(torch.int16)
     n, k = q.shape
     _, per, size = TYPES[source]
@@ -300,6 +303,19 @@ def _q5_bits(u):  # 5-bit codes [..., 32] -> qh [..., 4], qs [..., 16]
     return _bits(u >> 4), _nibble_pairs(u)
 
 
+def _pack_q4_0(q, s, z):  # q [.., 32] in 0..15, w = (q - 8) d: stored as q d + (-8 d)
+    d = _exact_f16(s[..., 0], "Q4_0")
+    if z is None or not torch.equal(z.reshape(s.shape)[..., 0].float(), -8 * d.float()):
+        raise ModelError("Q4_0 zeros are not -8 times the scale")
+    return torch.cat((_bytes16(d), _nibble_pairs(q)), -1)
+
+
+def _pack_q4_1(q, s, z):
+    zz = z.reshape(s.shape)
+    return torch.cat((_bytes16(_exact_f16(s[..., 0], "Q4_1")), _bytes16(_exact_f16(zz[..., 0], "Q4_1")),
+                      _nibble_pairs(q)), -1)
+
+
 def _pack_q5_0(q, s, z):
     qh, qs = _q5_bits(q + 16)
     return torch.cat((_bytes16(_exact_f16(s[..., 0], "Q5_0")), qh, qs), -1)
@@ -347,4 +363,4 @@ def _pack_q5_k(q, s, z):
 
 
 _PACK = {"Q8_0": _pack_q8_0, "Q5_0": _pack_q5_0, "Q5_1": _pack_q5_1, "Q6_K": _pack_q6_k,
-         "Q4_K": _pack_q4_k, "Q5_K": _pack_q5_k}
+         "Q4_K": _pack_q4_k, "Q5_K": _pack_q5_k, "Q4_0": _pack_q4_0, "Q4_1": _pack_q4_1}

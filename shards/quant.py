@@ -158,12 +158,15 @@ def stored_shapes(want: Mapping[str, tuple[int, ...]], records: Mapping[str, Ten
     return out
 
 
-# GGUF block types as llama.cpp stores them: (weights, bytes) a block. Those in BLOCK_RUNS a
-# CPU keeps in these bytes and runs with the C kernel of shards/qblocks.py; Q4_0/Q4_1/Q4_K
-# stay on torch's int4 kernel (4 bits + 1 of scales, as fast).
+# GGUF block types as llama.cpp stores them: (weights, bytes) a block. A CPU keeps those in
+# BLOCK_RUNS in these bytes and runs them with the C kernel of shards/qblocks.py: the file's
+# own scales exactly, and a row's output the same bits whatever rows run beside it (torch's
+# int4 kernel rounds group scales to bf16, and its sums depend on how many rows it is given:
+# a replay then continued differently from the stream it replaced, issue 34).
 GGUF_BLOCKS = {"Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q6_K": (256, 210),
-               "Q5_K": (256, 176), "Q4_K": (256, 144)}
-BLOCK_RUNS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K")
+               "Q5_K": (256, 176), "Q4_K": (256, 144), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+BLOCK_RUNS = ("Q8_0", "Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "Q4_1")
+INT4_BLOCKS = ("Q4_0", "Q4_1", "Q4_K")  # stored as the int4 layout (packed codes)
 
 
 def block_bytes(source: str, n: int, k: int) -> int:

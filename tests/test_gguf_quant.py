@@ -36,12 +36,13 @@ READER = GGUFReader(str(BLOCKS))
 TENSORS = {t.name: t for t in READER.tensors}
 # GGUF type -> (our layout, group, the CPU kernel path it runs)
 EXPECTED = {"F32": ("float", None, None), "F16": ("float", None, None), "BF16": ("float", None, None),
-            "Q4_0": ("int4", 32, "int4pack_cpu"), "Q4_1": ("int4", 32, "int4pack_cpu"),
-            "Q4_K": ("int4", 32, "int4pack_cpu"), "Q8_0": ("int8", 32, "blocks_cpu"),
+            "Q4_0": ("int4", 32, "blocks_cpu"), "Q4_1": ("int4", 32, "blocks_cpu"),
+            "Q4_K": ("int4", 32, "blocks_cpu"), "Q8_0": ("int8", 32, "blocks_cpu"),
             "Q5_0": ("int8", 32, "blocks_cpu"), "Q5_1": ("int8", 32, "blocks_cpu"),
             "Q5_K": ("int8", 32, "blocks_cpu"), "Q6_K": ("int8", 16, "blocks_cpu")}
-if qblocks.library() is None:  # no C compiler: the two-plane int4 path (tests/test_qblocks.py)
-    EXPECTED = {k: (*v[:2], "planes_cpu" if v[2] == "blocks_cpu" else v[2]) for k, v in EXPECTED.items()}
+if qblocks.library() is None:  # no C compiler: torch's int4 kernel, one plane or two (tests/test_qblocks.py)
+    EXPECTED = {k: (*v[:2], ("int4pack_cpu" if v[0] == "int4" else "planes_cpu") if v[2] == "blocks_cpu" else v[2])
+                for k, v in EXPECTED.items()}
 
 
 @pytest.fixture(scope="module", params=["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"])

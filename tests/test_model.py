@@ -224,3 +224,24 @@ def test_cuda_decode_at_new_lengths_never_runs_cudnn_attention(tiny_model_dir):
     kernels = {e.name for e in prof.events()}
     assert not [k for k in kernels if "cudnn" in k.lower()], sorted(kernels)
     assert got == generate_greedy(cpu, ids, 24)
+
+
+@pytest.mark.real_model
+def test_a_replay_continues_as_the_stream_it_replaces(real_model_dir):
+    """What a failover does, on one engine: the kept-quantized default model generates a
+    stream one row at a time; restarting from the prompt plus its first k tokens prefilled
+    in one forward (a replay) continues with the very same tokens, for every k tried. (With
+    torch's int4 kernel, whose sums depend on how many rows run together, 3 of 52 such
+    restarts continued differently.)"""
+    stage = load_stage(real_model_dir, Span(0, Manifest.load(real_model_dir).n_layers), True, True)[0]
+    tok = MeshTokenizer.load(real_model_dir)
+    n, restarts, diverged = 32, 0, []
+    for prompt in ("def fibonacci(n):\n", "The quick brown fox", "Once upon a time, in a small village by the sea,",
+                   "The capital of France is"):
+        ids = tok.encode(prompt)
+        stream = generate_greedy(stage, ids, n)
+        for k in range(1, n - 2, 2):
+            restarts += 1
+            if generate_greedy(stage, ids + stream[:k], n - k) != stream[k:]:
+                diverged.append((prompt, k))
+    assert restarts >= 50 and not diverged, diverged
