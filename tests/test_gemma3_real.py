@@ -19,6 +19,7 @@ from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
 from tests.fixtures.shared import state_dir, state_lock
 from tests.meshlab import complete
+from tests.test_model import replay_divergences
 
 transformers = pytest.importorskip("transformers")
 # The reference comparison loads transformers' copy, meshd's float32 one and the quantized
@@ -155,3 +156,11 @@ def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     got, _ = complete(entry.url, prompt, 12)
     want = _one_node(gemma_dir, prompt, 12)
     assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
+
+
+def test_a_replay_continues_as_the_stream_it_replaces(gemma_dir):
+    """Failover's exactness on the fetched Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 blocks on the
+    block kernel): a restart from the prompt plus k generated tokens, prefilled in one
+    forward as a replay does, continues with the stream's next 8 tokens, 64 times."""
+    restarts, diverged = replay_divergences(gemma_dir, PROMPTS + ["The quick brown fox"], 32, 8)
+    assert restarts >= 50 and not diverged, diverged

@@ -120,9 +120,11 @@ def test_a_rows_outputs_are_the_same_bits_alone_and_in_a_batch(name):
     n = ref.shape[0] - 1 if ref.shape[0] % 2 == 0 else ref.shape[0]
     x = torch.randn(70, ref.shape[1], generator=torch.Generator().manual_seed(5))
     lib = qblocks.library()
-    batch = qblocks.matmul(lib, raw[:n], rec.source, x[:6].clone(), n)
-    for m in (0, 5):
+    batch = qblocks.matmul(lib, raw[:n], rec.source, x[:64].clone(), n)
+    for m in (0, 5, 63):
         assert torch.equal(qblocks.matmul(lib, raw[:n], rec.source, x[m:m + 1].clone(), n), batch[m:m + 1])
+    for rows in (2, 3, 6, 17, 33):  # decode batches and prefill chunks of several sizes
+        assert torch.equal(qblocks.matmul(lib, raw[:n], rec.source, x[:rows].clone(), n), batch[:rows])
     wide = 4100  # 64 input rows x 4100 >= 2^18 outputs: the direct path; not a whole number of 64-row runs
     blocks = raw.repeat(-(-wide // raw.shape[0]), 1)[:wide].contiguous()
     prefill = qblocks.matmul(lib, blocks, rec.source, x, wide)

@@ -1,0 +1,87 @@
+"""What exact failover costs: the default model (SmolLM2 Q4_1 kept quantized) on the block
+kernel (the file's own scales, a row's bits whatever runs beside it: the default) against
+torch's int4 kernel (group scales rounded to bf16, sums that depend on how many rows run
+together: what ran before issue 34), side by side in one process, timed in interleaved
+rounds (best of each): prefill of 128 tokens, batch-1 decode, 16 streams decoded through
+one batched forward. Then the replay experiment on each: generate 32 greedy tokens one row
+at a time, restart from the prompt plus the first k in one prefill (what a failover's replay
+does) and count the restarts that continue differently.
+
+    .venv/bin/python bench/bench_invariance.py [--model DIR] [--threads 1] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench_quant import DECODE_TOKENS, PROMPT_TOKENS, STREAM_STEPS, STREAMS, TorchRunner
+from locate import add_model_flag, need_model
+
+PROMPTS = [[(i * 131 + 7 * p) % 40000 + 100 for i in range(12 + 5 * p)] for p in range(4)]
+REPLAY_TOKENS = 32
+
+
+def _divergent_restarts(stage, torch) -> tuple[int, int]:
+    from shards.engine import generate_greedy
+
+    restarts = diverged = 0
+    for ids in PROMPTS:
+        stream = generate_greedy(stage, ids, REPLAY_TOKENS)
+        for k in range(1, REPLAY_TOKENS - 1, 2):
+            restarts += 1
+            diverged += generate_greedy(stage, ids + stream[:k], REPLAY_TOKENS - k) != stream[k:]
+    return restarts, diverged
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_model_flag(ap)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    model = need_model(args.model)
+
+    import torch
+
+    import shards.qlinear as qlinear
+    import shards.quant as quant
+
+    torch.set_num_threads(args.threads)
+    exact_runs = quant.BLOCK_RUNS
+    runners = {"exact (blocks)": TorchRunner(str(model))}
+    quant.BLOCK_RUNS = qlinear.BLOCK_RUNS = tuple(t for t in exact_runs if t not in quant.INT4_BLOCKS)
+    try:
+        runners["int4pack"] = TorchRunner(str(model))
+    finally:
+        quant.BLOCK_RUNS = qlinear.BLOCK_RUNS = exact_runs
+    best: dict[str, dict[str, float]] = {n: {} for n in runners}
+    for r in runners.values():
+        r.prefill()
+    for _ in range(args.rounds):
+        for n, r in runners.items():
+            for phase in ("prefill", "decode", "streams"):
+                best[n][phase] = min(best[n].get(phase, float("inf")), getattr(r, phase)())
+    rows = {}
+    for n, r in runners.items():
+        b = best[n]
+        restarts, diverged = _divergent_restarts(r.stage, torch)
+        rows[n] = {"prefill_tok_s": PROMPT_TOKENS / b["prefill"], "decode_tok_s": DECODE_TOKENS / b["decode"],
+                   "streams_tok_s": STREAMS * STREAM_STEPS / b["streams"], "restarts": restarts,
+                   "diverged": diverged}
+    print(f"threads {args.threads}, best of {args.rounds} interleaved rounds, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"| kernel | prefill {PROMPT_TOKENS} tok/s | decode b1 tok/s | {STREAMS} streams tok/s "
+          f"| replays that diverge |")
+    print("|---|---:|---:|---:|---:|")
+    for n, v in rows.items():
+        print(f"| {n} | {v['prefill_tok_s']:.0f} | {v['decode_tok_s']:.1f} | {v['streams_tok_s']:.0f} "
+              f"| {v['diverged']} of {v['restarts']} |")
+    e, i = rows["exact (blocks)"], rows["int4pack"]
+    print(f"exact / int4pack: prefill {e['prefill_tok_s'] / i['prefill_tok_s']:.2f}x, "
+          f"decode {e['decode_tok_s'] / i['decode_tok_s']:.2f}x, streams {e['streams_tok_s'] / i['streams_tok_s']:.2f}x")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
