@@ -27,7 +27,6 @@ from functools import cached_property
 
 import jinja2
 import jinja2.ext
-from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shards import template_sandbox
@@ -185,23 +184,23 @@ class ChatTemplate:
         return self.source is not None
 
     @cached_property
-    def _compiled(self) -> jinja2.Template:
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its caller; ModelError where it does not
+        compile. Found in a render worker (shards/template_sandbox.py): Jinja evaluates
+        constant expressions as it compiles, so compiling is running the template's code."""
+        if not self.source:
+            return frozenset()
         try:
-            return _environment().from_string(self.source)
-        except jinja2.TemplateError as e:
-            raise ModelError(f"the chat template ({self.origin}) does not compile: {e}") from None
+            return template_sandbox.inspect(self.source)
+        except template_sandbox.TemplateLimit:
+            raise
+        except ModelError as e:
+            raise ModelError(f"the chat template ({self.origin}) does not compile: "
+                             f"{str(e).removeprefix('the chat template does not compile: ')}") from None
 
     def check(self) -> None:
         """ModelError now, rather than at the first chat, where the template does not compile."""
-        if self.source:
-            self._compiled  # noqa: B018 (compiled once, kept)
-
-    @cached_property
-    def variables(self) -> frozenset[str]:
-        """The names the template reads from its caller."""
-        if not self.source:
-            return frozenset()
-        return frozenset(meta.find_undeclared_variables(_environment().parse(self.source)))
+        self.variables  # noqa: B018 (found once, kept)
 
     @property
     def supports_tools(self) -> bool:
@@ -217,7 +216,7 @@ class ChatTemplate:
         TemplateLimit (a ModelError) names the one a render passed."""
         if not self.source:
             raise ModelError("this model has no chat template")
-        self._compiled  # noqa: B018 (a template that does not compile: ModelError here, as before)
+        self.variables  # noqa: B018 (a template that does not compile: ModelError here, as before)
         context = {**self.special_tokens, **_plain(extra), "messages": template_messages(messages),
                    "tools": _plain(tools), "documents": _plain(documents),
                    "add_generation_prompt": add_generation_prompt}

@@ -38,9 +38,11 @@ from pathlib import Path
 from shards.errors import ModelError
 
 RENDER_S = 1.0  # wall clock of one render, in its worker
+COMPILE_S = 5.0  # wall clock of compiling a template and finding the names it reads (once per template)
 MAX_RENDER_CHARS = 1 << 24  # the output ceiling whatever the caller asks
 WORKER_MEMORY = 1 << 30  # RLIMIT_AS of a worker (Python + jinja2 take ~40 MiB)
-POOL_SIZE = 2  # workers rendering at once (more renders wait for one)
+POOL_SIZE = 4  # workers rendering at once (more renders wait for one): as many as tokenize threads
+WARM = 2  # workers started with the tokenizer; the others when renders overlap
 START_S = 60.0  # a worker's start-up (Python + jinja2 import; slow on a busy box)
 MAX_POW = 1 << 12  # the largest exponent ``**`` takes in a template
 NICE = 10  # a worker's scheduling priority below the daemon's
@@ -84,7 +86,7 @@ class _Worker:
                 pass
 
     def send(self, request: dict) -> None:
-        data = json.dumps(request, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        data = json.dumps(request, ensure_ascii=False).encode("utf-8", "replace")
         self.proc.stdin.write(_HEADER.pack(len(data)) + data)
         self.proc.stdin.flush()
 
@@ -110,7 +112,8 @@ class _Worker:
 
 
 class RenderPool:
-    """``size`` workers, started when first needed (or by ``warm``); a killed one is replaced."""
+    """Up to ``size`` workers, started by ``warm`` or when every one is busy (so an honest
+    chat does not wait out a bad template's time limit); a killed one is replaced."""
 
     def __init__(self, size: int = POOL_SIZE, render_s: float = RENDER_S):
         self.size, self.render_s = size, render_s
@@ -118,9 +121,9 @@ class RenderPool:
         self._lock = threading.Lock()
         self._workers: set[_Worker] = set()
 
-    def warm(self) -> None:
+    def warm(self, count: int = WARM) -> None:
         with self._lock:
-            while len(self._workers) < self.size:
+            while len(self._workers) < min(count, self.size):
                 self._add()
 
     def _add(self) -> None:
@@ -141,27 +144,43 @@ class RenderPool:
             self._add()
 
     def render(self, source: str, context: Mapping, max_chars: int) -> str:
+        answer = self._call({"op": "render", "source": source, "context": context, "max_chars": max_chars},
+                            self.render_s, "rendering")
+        return answer["text"]
+
+    def inspect(self, source: str) -> frozenset[str]:
+        """The names ``source`` reads from its caller; ModelError where it does not compile.
+        In a worker too: Jinja evaluates constant expressions while it compiles (and while
+        it finds the names), ``{{ '%2000000000d' % 1 }}`` a 2 GB string."""
+        answer = self._call({"op": "inspect", "source": source}, COMPILE_S, "compiling")
+        return frozenset(answer["variables"])
+
+    def _call(self, request: dict, limit_s: float, doing: str) -> dict:
         w = self._take()
         try:
             if not w.ready:
-                if w.receive(time.monotonic() + START_S) is None:
-                    raise ModelError("the chat template worker did not start")
+                try:
+                    started = w.receive(time.monotonic() + START_S)
+                except (OSError, EOFError, ValueError) as exc:
+                    started = exc
+                if not isinstance(started, dict):
+                    raise ModelError(f"the chat template worker did not start ({started or 'no answer'})")
                 w.ready = True
-            w.send({"source": source, "context": context, "max_chars": max_chars})
-            answer = w.receive(time.monotonic() + self.render_s)
-        except (OSError, EOFError, ValueError) as exc:  # died (its memory, a crash): a new one
+            w.send(request)
+            answer = w.receive(time.monotonic() + limit_s)
+        except (OSError, EOFError) as exc:  # it died under the render (its memory, a crash): a new one
             self._replace(w)
-            raise TemplateLimit(f"chat template: the render stopped its worker ({exc}); its memory limit is "
+            raise TemplateLimit(f"chat template: {doing} it stopped its worker ({exc}); its memory limit is "
                                 f"{WORKER_MEMORY >> 20} MiB", MEMORY_LIMIT) from None
         except BaseException:
             self._replace(w)
             raise
         if answer is None:
             self._replace(w)
-            raise TemplateLimit(f"chat template: rendering ran past its time limit of {self.render_s:g} s", TIME_LIMIT)
+            raise TemplateLimit(f"chat template: {doing} it ran past its time limit of {limit_s:g} s", TIME_LIMIT)
         self._idle.put(w)
-        if "text" in answer:
-            return answer["text"]
+        if "error" not in answer:
+            return answer
         if answer.get("limit"):
             raise TemplateLimit(answer["error"], answer["limit"])
         raise ModelError(answer["error"])
@@ -188,6 +207,12 @@ def pool() -> RenderPool:
         return _POOL
 
 
+def inspect(source: str) -> frozenset[str]:
+    """The names ``source`` reads from its caller (compiled in a worker, bounded in time and
+    memory); ModelError where it does not compile."""
+    return pool().inspect(source)
+
+
 def render(source: str, context: Mapping, max_chars: int | None = None) -> str:
     """``source`` rendered with ``context`` (JSON data) in a worker, within the bounds above."""
     limit = MAX_RENDER_CHARS if max_chars is None else max(1, min(int(max_chars), MAX_RENDER_CHARS))
@@ -208,6 +233,7 @@ def worker_main() -> None:
     import resource
 
     import jinja2
+    from jinja2 import meta
 
     from shards.chat import bounded_environment
 
@@ -223,20 +249,33 @@ def worker_main() -> None:
     compiled: dict[str, jinja2.Template] = {}
 
     def answer(obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "replace")
         stdout.write(_HEADER.pack(len(data)) + data)
         stdout.flush()
 
     answer({"ready": True})
+
+    def compile_(source: str, max_chars: int) -> jinja2.Template:
+        template = compiled.get(source)
+        if template is None:
+            if len(compiled) >= 8:
+                compiled.clear()
+            try:
+                template = compiled[source] = bounded_environment(max_chars).from_string(source)
+            except jinja2.TemplateError as exc:
+                raise _NoCompile(f"the chat template does not compile: {exc}") from None
+        template.environment.max_chars = max_chars  # type: ignore[attr-defined]
+        return template
+
     while head := stdin.read(_HEADER.size):
         req = json.loads(stdin.read(_HEADER.unpack(head)[0]))
-        max_chars = int(req["max_chars"])
+        max_chars = int(req.get("max_chars", MAX_RENDER_CHARS))
         try:
-            template = compiled.get(req["source"])
-            if template is None:
-                if len(compiled) >= 8:
-                    compiled.clear()
-                template = compiled[req["source"]] = bounded_environment(max_chars).from_string(req["source"])
+            template = compile_(req["source"], max_chars)
+            if req["op"] == "inspect":
+                names = meta.find_undeclared_variables(template.environment.parse(req["source"]))
+                answer({"variables": sorted(names)})
+                continue
             parts, n = [], 0
             for piece in template.generate(**req["context"]):
                 n += len(piece)
@@ -244,14 +283,26 @@ def worker_main() -> None:
                     raise TemplateLimit(f"chat template: the rendered prompt passed its limit of {max_chars} "
                                         "characters", OUTPUT_LIMIT)
                 parts.append(piece)
-            answer({"text": "".join(parts)})
+            text = "".join(parts)
+            parts = []
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate, written as an escape in the template
+                raise jinja2.TemplateError("the rendered prompt is not valid Unicode") from None
+            answer({"text": text})
         except TemplateLimit as exc:
             answer({"error": str(exc), "limit": exc.limit})
+        except _NoCompile as exc:
+            answer({"error": str(exc)})
         except MemoryError:
-            parts = []
+            parts, text = [], ""
             answer({"error": f"chat template: rendering passed the memory limit of {WORKER_MEMORY >> 20} MiB",
                     "limit": MEMORY_LIMIT})
         except jinja2.TemplateError as exc:  # raise_exception() in the template, a sandbox refusal, ...
             answer({"error": f"chat template: {exc}"})
         except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             answer({"error": f"chat template: {type(exc).__name__}: {exc}"})
+
+
+class _NoCompile(Exception):
+    pass

@@ -22,6 +22,7 @@ import json
 import secrets
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +35,7 @@ from shards.chat_templates import CHATML
 from shards.config import MAX_CONTEXT, ModelConfig
 from shards.convert import convert
 from shards.manifest import Manifest
+from shards.template_sandbox import RenderPool, TemplateLimit
 from shards.tokenizer import MeshTokenizer
 from tests.fixtures.daemon import start_daemon, status_json, stop_daemon
 
@@ -225,6 +227,83 @@ def test_tokenize_checks_the_prompt_bound_before_tokenizing(mesh, hostile_dir):
             status, data = post(p.url + "/tokenize", body)
             assert status == 400 and data["error"]["param"] == param, data
             assert "context window of 8192 tokens" in data["error"]["message"], data
+
+
+# -- the render pool on its own ----------------------------------------------------------------
+
+
+SPIN = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def test_an_honest_render_does_not_wait_for_spinning_ones():
+    """Two renders spin in their workers; a ChatML render meanwhile gets a worker of its own
+    and returns while they still spin; then each spin is refused at the time limit, its
+    worker killed (gone from the process table) and replaced."""
+    pool = RenderPool()
+    pool.warm(3)
+    try:
+        outcomes: list[str] = []
+
+        def spin() -> None:
+            try:
+                pool.render(SPIN, {"messages": []}, 1000)
+            except TemplateLimit as exc:
+                outcomes.append(exc.limit)
+
+        spinners = [threading.Thread(target=spin) for _ in range(2)]
+        for t in spinners:
+            t.start()
+        time.sleep(0.2)  # both taken
+        text = pool.render(CHATML, {"messages": HELLO, "add_generation_prompt": True}, 1000)
+        assert text == CHATML_HELLO
+        assert any(t.is_alive() for t in spinners) and not outcomes  # it did not wait for them
+        killed = [w.proc for w in pool._workers]
+        for t in spinners:
+            t.join(30)
+        assert outcomes == ["chat_template_time_limit"] * 2
+        assert sum(proc.poll() is not None for proc in killed) == 2  # those two were killed...
+        assert pool.render(CHATML, {"messages": HELLO, "add_generation_prompt": True}, 1000) == CHATML_HELLO
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("source, error", [
+    ("{{ 'x' * 2000000000 }}", "chat_template_output_limit"),
+    ("{{ 9 ** 99999 }}", "chat_template_output_limit"),
+    ("{{ '%2000000000d' % 1 }}", "chat_template_memory_limit"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ '\\ud800' }}", "not valid Unicode"),
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+])
+def test_what_a_template_cannot_do_is_a_model_error_naming_it(source, error):
+    from shards.chat import ChatTemplate
+
+    with pytest.raises(ModelError) as caught:
+        ChatTemplate(source).render(HELLO, max_chars=1 << 20)
+    assert error in (getattr(caught.value, "limit", "") or str(caught.value)), caught.value
+
+
+def test_compiling_a_template_runs_nothing_in_the_daemon():
+    """Jinja folds constant expressions while it compiles and while it finds the names a
+    template reads: ``{{ '%2000000000d' % 1 }}`` built a 2 GB string in the daemon at start
+    (``check``) before any chat. Both happen in a worker now, under its memory limit (where
+    the folding fails and is left to the render, which is refused); this process never
+    holds such a string; a template that does not compile is a ModelError that says so."""
+    import resource
+
+    from shards.chat import ChatTemplate
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    for folded in ("{{ '%2000000000d' % 1 }}", "{{ 'x'|center(2000000000) }}", "{% set s = '%2000000000d' % 1 %}"):
+        template = ChatTemplate(folded)
+        template.check()
+        with pytest.raises(TemplateLimit) as caught:
+            template.render(HELLO)
+        assert caught.value.limit in LIMIT_CODES, caught.value
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 512 << 10  # not 2 GB more
+    with pytest.raises(ModelError, match=r"\(model\) does not compile: .*endfor"):
+        ChatTemplate("{% for m in messages %}").check()
+    assert ChatTemplate(CHATML).variables >= {"messages", "add_generation_prompt"}
 
 
 # -- metadata sanity at conversion -----------------------------------------------------------
