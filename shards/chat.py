@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
 
 import jinja2
 import jinja2.ext
@@ -178,25 +177,32 @@ class ChatTemplate:
         self.source = source or None
         self.origin = origin if self.source else None
         self.special_tokens = dict(special_tokens or {})
+        self._inspected: frozenset[str] | ModelError | None = None
 
     @property
     def available(self) -> bool:
         return self.source is not None
 
-    @cached_property
+    @property
     def variables(self) -> frozenset[str]:
         """The names the template reads from its caller; ModelError where it does not
         compile. Found in a render worker (shards/template_sandbox.py): Jinja evaluates
-        constant expressions as it compiles, so compiling is running the template's code."""
+        constant expressions as it compiles, so compiling is running the template's code.
+        Found once: a failure is kept too (a template that passes the compile bound would
+        cost every chat that bound again)."""
         if not self.source:
             return frozenset()
-        try:
-            return template_sandbox.inspect(self.source)
-        except template_sandbox.TemplateLimit:
-            raise
-        except ModelError as e:
-            raise ModelError(f"the chat template ({self.origin}) does not compile: "
-                             f"{str(e).removeprefix('the chat template does not compile: ')}") from None
+        if self._inspected is None:
+            try:
+                self._inspected = template_sandbox.inspect(self.source)
+            except template_sandbox.TemplateLimit as e:
+                self._inspected = e
+            except ModelError as e:
+                self._inspected = ModelError(f"the chat template ({self.origin}) does not compile: "
+                                             f"{str(e).removeprefix('the chat template does not compile: ')}")
+        if isinstance(self._inspected, ModelError):
+            raise self._inspected.with_traceback(None)  # the same error each time, not a growing traceback
+        return self._inspected
 
     def check(self) -> None:
         """ModelError now, rather than at the first chat, where the template does not compile."""
