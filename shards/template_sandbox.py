@@ -4,7 +4,7 @@ A chat template comes with the model file: it is untrusted code. Jinja's sandbox
 away from Python's internals (shards/chat.py), but not from looping: three nested
 ``range(100000)`` loops run for hours, and a string of gigabytes takes seconds to build.
 Neither can be stopped inside a thread, so every render runs in one of a few worker
-processes (``python -c``, importing jinja2 and shards.chat only), with bounds:
+processes (shards/template_worker.py: jinja2 and shards.chat only), with bounds:
 
 - time: a render that passes ``RENDER_S`` of wall clock is ended by killing its worker
   (SIGKILL), and a new worker takes its place;
@@ -47,7 +47,7 @@ START_S = 60.0  # a worker's start-up (Python + jinja2 import; slow on a busy bo
 MAX_POW = 1 << 12  # the largest exponent ``**`` takes in a template
 NICE = 10  # a worker's scheduling priority below the daemon's
 
-_HEADER = struct.Struct(">I")
+HEADER = struct.Struct(">I")
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -70,7 +70,7 @@ TIME_LIMIT, OUTPUT_LIMIT, MEMORY_LIMIT = "chat_template_time_limit", "chat_templ
 class _Worker:
     def __init__(self) -> None:
         code = (f"import sys; sys.path.insert(0, {_ROOT!r}); "
-                "from shards.template_sandbox import worker_main; worker_main()")
+                "from shards.template_worker import main; main()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      close_fds=True, start_new_session=True)
         self.ready = False
@@ -87,15 +87,15 @@ class _Worker:
 
     def send(self, request: dict) -> None:
         data = json.dumps(request, ensure_ascii=False).encode("utf-8", "replace")
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+        self.proc.stdin.write(HEADER.pack(len(data)) + data)
         self.proc.stdin.flush()
 
     def receive(self, deadline: float) -> dict | None:
         """The worker's next answer, or None once ``deadline`` (monotonic) has passed."""
-        head = self._read(_HEADER.size, deadline)
+        head = self._read(HEADER.size, deadline)
         if head is None:
             return None
-        body = self._read(_HEADER.unpack(head)[0], deadline)
+        body = self._read(HEADER.unpack(head)[0], deadline)
         return None if body is None else json.loads(body)
 
     def _read(self, n: int, deadline: float) -> bytes | None:
@@ -217,92 +217,3 @@ def render(source: str, context: Mapping, max_chars: int | None = None) -> str:
     """``source`` rendered with ``context`` (JSON data) in a worker, within the bounds above."""
     limit = MAX_RENDER_CHARS if max_chars is None else max(1, min(int(max_chars), MAX_RENDER_CHARS))
     return pool().render(source, context, limit)
-
-
-# -- the worker's side -------------------------------------------------------------------------
-
-
-def _watch_parent(parent: int) -> None:
-    """A worker whose daemon is gone goes too (its stdin closes, but it may be looping)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-def worker_main() -> None:
-    import resource
-
-    import jinja2
-    from jinja2 import meta
-
-    from shards.chat import bounded_environment
-
-    try:
-        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
-    except (ValueError, OSError):
-        pass  # a platform without it: the time limit still holds
-    # Below the daemon's own threads: a render that spins until it is killed takes a core
-    # from nobody who has work (a normal render is ~0.1 ms either way).
-    os.nice(NICE)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    compiled: dict[str, jinja2.Template] = {}
-
-    def answer(obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "replace")
-        stdout.write(_HEADER.pack(len(data)) + data)
-        stdout.flush()
-
-    answer({"ready": True})
-
-    def compile_(source: str, max_chars: int) -> jinja2.Template:
-        template = compiled.get(source)
-        if template is None:
-            if len(compiled) >= 8:
-                compiled.clear()
-            try:
-                template = compiled[source] = bounded_environment(max_chars).from_string(source)
-            except jinja2.TemplateError as exc:
-                raise _NoCompile(f"the chat template does not compile: {exc}") from None
-        template.environment.max_chars = max_chars  # type: ignore[attr-defined]
-        return template
-
-    while head := stdin.read(_HEADER.size):
-        req = json.loads(stdin.read(_HEADER.unpack(head)[0]))
-        max_chars = int(req.get("max_chars", MAX_RENDER_CHARS))
-        try:
-            template = compile_(req["source"], max_chars)
-            if req["op"] == "inspect":
-                names = meta.find_undeclared_variables(template.environment.parse(req["source"]))
-                answer({"variables": sorted(names)})
-                continue
-            parts, n = [], 0
-            for piece in template.generate(**req["context"]):
-                n += len(piece)
-                if n > max_chars:
-                    raise TemplateLimit(f"chat template: the rendered prompt passed its limit of {max_chars} "
-                                        "characters", OUTPUT_LIMIT)
-                parts.append(piece)
-            text = "".join(parts)
-            parts = []
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate, written as an escape in the template
-                raise jinja2.TemplateError("the rendered prompt is not valid Unicode") from None
-            answer({"text": text})
-        except TemplateLimit as exc:
-            answer({"error": str(exc), "limit": exc.limit})
-        except _NoCompile as exc:
-            answer({"error": str(exc)})
-        except MemoryError:
-            parts, text = [], ""
-            answer({"error": f"chat template: rendering passed the memory limit of {WORKER_MEMORY >> 20} MiB",
-                    "limit": MEMORY_LIMIT})
-        except jinja2.TemplateError as exc:  # raise_exception() in the template, a sandbox refusal, ...
-            answer({"error": f"chat template: {exc}"})
-        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
-            answer({"error": f"chat template: {type(exc).__name__}: {exc}"})
-
-
-class _NoCompile(Exception):
-    pass
