@@ -195,6 +195,8 @@ class ChatTemplate:
         if self._inspected is None:
             try:
                 self._inspected = template_sandbox.inspect(self.source)
+            except template_sandbox.WorkerUnavailable:
+                raise  # not the template's doing: tried again next time
             except template_sandbox.TemplateLimit as e:
                 self._inspected = e
             except ModelError as e:

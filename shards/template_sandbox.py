@@ -60,6 +60,10 @@ class TemplateLimit(ModelError):
         self.limit = limit
 
 
+class WorkerUnavailable(ModelError):
+    """No render worker could be started (says nothing of the template)."""
+
+
 TIME_LIMIT, OUTPUT_LIMIT, MEMORY_LIMIT = "chat_template_time_limit", "chat_template_output_limit", \
     "chat_template_memory_limit"
 
@@ -164,7 +168,7 @@ class RenderPool:
                 except (OSError, EOFError, ValueError) as exc:
                     started = exc
                 if not isinstance(started, dict):
-                    raise ModelError(f"the chat template worker did not start ({started or 'no answer'})")
+                    raise WorkerUnavailable(f"the chat template worker did not start ({started or 'no answer'})")
                 w.ready = True
             w.send(request)
             answer = w.receive(time.monotonic() + limit_s)

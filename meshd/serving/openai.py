@@ -18,7 +18,7 @@ from meshd.serving.scheduler import Priority
 from shards import grammar
 from shards.chat_templates import BUILTIN
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from shards.template_sandbox import TemplateLimit
+from shards.template_sandbox import TemplateLimit, WorkerUnavailable
 from shards.tokenizer import MeshTokenizer
 
 MAX_CHOICES = 8
@@ -468,6 +468,8 @@ def _chat_ids(tokenizer: MeshTokenizer, messages: list[dict], tools: ToolSpec | 
         ids = _encode_chat(tokenizer, messages, tools, context * tokenizer.max_token_chars)
     except TemplateLimit as exc:
         raise BadRequest(str(exc), param="messages", code=exc.limit) from None
+    except WorkerUnavailable:
+        raise  # this peer's fault, not the request's: a 500
     except ModelError as exc:
         raise BadRequest(str(exc), param="messages") from None
     if not ids:
