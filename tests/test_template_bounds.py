@@ -159,10 +159,11 @@ def honest_round(mesh, body: dict, timeout: float) -> float:
 def test_hostile_template_is_refused_while_an_honest_client_is_served(mesh):
     alpha, beta = mesh
     honest = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    # The honest client's bound: a second, or twice its slowest answer before the attack
-    # where the box is that busy (other test runs share these 2 cores: up to 1.4 s seen).
-    # A template that held the tokenize thread made it wait for good, not a second.
-    bound = max(HONEST_S, 2 * max(honest_round(mesh, honest, 60) for _ in range(4)))
+    # The honest client's bound: a second, or three times its slowest answer before the
+    # attack where the box is that busy (other test runs share these 2 cores: answers of
+    # 1.5-1.8 s with no attack at all were seen, and the same spread during one). A
+    # template that held the tokenize thread made it wait for good, not a few seconds.
+    bound = max(HONEST_S, 3 * max(honest_round(mesh, honest, 60) for _ in range(8)))
     before = status_json(alpha.url)
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, json.dumps([alpha.url, beta.url]),
                                  json.dumps(list(TRIGGERS))], stdout=subprocess.PIPE, text=True)
