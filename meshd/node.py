@@ -81,6 +81,7 @@ from protocol.messages import (
     Reject,
 )
 from shards.chat import ChatTemplate
+from shards import template_sandbox
 from shards.chat_templates import GivenTemplate, given_template
 from shards.engine import apart, measure_parts, use_threads
 from shards.fetch import list_models
@@ -381,6 +382,8 @@ class Node:
         (``NO_CHAT``: none)."""
         if self.scheduler.tokenizer is None:
             self.scheduler.tokenizer = MeshTokenizer.load(model_dir, self.chat_template)
+            if self.scheduler.tokenizer.template.available:
+                template_sandbox.pool().warm()  # the render workers start now, not at the first chat
         budget = self.config.kv_budget_tokens
         if budget is None:
             per_token = kv_bytes_per_token(manifest.config, torch.float32)

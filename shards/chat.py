@@ -23,13 +23,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
 
 import jinja2
 import jinja2.ext
-from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shards import template_sandbox
 from shards.chat_templates import CHATML, GivenTemplate
 from shards.errors import ModelError
 
@@ -79,13 +78,41 @@ class _Generation(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``*`` and ``**`` checked before they run: a string or list made
+    longer than the render's output bound, or a power past ``MAX_POW``, is refused rather
+    than built (``'x' * 10**10`` would take the worker's memory, ``9**9**9`` its time)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+    max_chars = template_sandbox.MAX_RENDER_CHARS
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > self.max_chars:
+                    raise template_sandbox.TemplateLimit(
+                        f"chat template: a repetition of {len(seq)} x {times} passes the rendered prompt's limit of "
+                        f"{self.max_chars} characters", template_sandbox.OUTPUT_LIMIT)
+        elif isinstance(right, (int, float)) and abs(right) > template_sandbox.MAX_POW:
+            raise template_sandbox.TemplateLimit(
+                f"chat template: an exponent of {right} is past its limit of {template_sandbox.MAX_POW}",
+                template_sandbox.OUTPUT_LIMIT)
+        return super().call_binop(context, operator, left, right)
+
+
+def _environment(max_chars: int | None = None) -> ImmutableSandboxedEnvironment:
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
+    if max_chars is not None:
+        env.max_chars = max_chars
     env.filters["tojson"] = _tojson
     env.globals |= {"raise_exception": _raise_exception, "strftime_now": _strftime_now,
                     "namespace": _Namespace, "dict": lambda *a, **k: dict(*a, **k)}
     return env
+
+
+def bounded_environment(max_chars: int) -> ImmutableSandboxedEnvironment:
+    """The environment a render worker compiles templates in (shards/template_sandbox.py)."""
+    return _environment(max_chars)
 
 
 def _plain(value):
@@ -150,29 +177,38 @@ class ChatTemplate:
         self.source = source or None
         self.origin = origin if self.source else None
         self.special_tokens = dict(special_tokens or {})
+        self._inspected: frozenset[str] | ModelError | None = None
 
     @property
     def available(self) -> bool:
         return self.source is not None
 
-    @cached_property
-    def _compiled(self) -> jinja2.Template:
-        try:
-            return _environment().from_string(self.source)
-        except jinja2.TemplateError as e:
-            raise ModelError(f"the chat template ({self.origin}) does not compile: {e}") from None
+    @property
+    def variables(self) -> frozenset[str]:
+        """The names the template reads from its caller; ModelError where it does not
+        compile. Found in a render worker (shards/template_sandbox.py): Jinja evaluates
+        constant expressions as it compiles, so compiling is running the template's code.
+        Found once: a failure is kept too (a template that passes the compile bound would
+        cost every chat that bound again)."""
+        if not self.source:
+            return frozenset()
+        if self._inspected is None:
+            try:
+                self._inspected = template_sandbox.inspect(self.source)
+            except template_sandbox.WorkerUnavailable:
+                raise  # not the template's doing: tried again next time
+            except template_sandbox.TemplateLimit as e:
+                self._inspected = e
+            except ModelError as e:
+                self._inspected = ModelError(f"the chat template ({self.origin}) does not compile: "
+                                             f"{str(e).removeprefix('the chat template does not compile: ')}")
+        if isinstance(self._inspected, ModelError):
+            raise self._inspected.with_traceback(None)  # the same error each time, not a growing traceback
+        return self._inspected
 
     def check(self) -> None:
         """ModelError now, rather than at the first chat, where the template does not compile."""
-        if self.source:
-            self._compiled  # noqa: B018 (compiled once, kept)
-
-    @cached_property
-    def variables(self) -> frozenset[str]:
-        """The names the template reads from its caller."""
-        if not self.source:
-            return frozenset()
-        return frozenset(meta.find_undeclared_variables(_environment().parse(self.source)))
+        self.variables  # noqa: B018 (found once, kept)
 
     @property
     def supports_tools(self) -> bool:
@@ -181,16 +217,18 @@ class ChatTemplate:
         return "tools" in self.variables
 
     def render(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
-               add_generation_prompt: bool = True, documents: Sequence[Mapping] | None = None, **extra) -> str:
+               add_generation_prompt: bool = True, documents: Sequence[Mapping] | None = None,
+               max_chars: int | None = None, **extra) -> str:
+        """The prompt text, rendered in a worker process within the bounds of
+        shards/template_sandbox.py (time, memory, ``max_chars`` of output): a
+        TemplateLimit (a ModelError) names the one a render passed."""
         if not self.source:
             raise ModelError("this model has no chat template")
-        msgs = template_messages(messages)
-        try:
-            return self._compiled.render(
-                **self.special_tokens, **_plain(extra), messages=msgs, tools=_plain(tools),
-                documents=_plain(documents), add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as e:  # raise_exception() in the template, a sandbox refusal, ...
-            raise ModelError(f"chat template: {e}") from None
+        self.variables  # noqa: B018 (a template that does not compile: ModelError here, as before)
+        context = {**self.special_tokens, **_plain(extra), "messages": template_messages(messages),
+                   "tools": _plain(tools), "documents": _plain(documents),
+                   "add_generation_prompt": add_generation_prompt}
+        return template_sandbox.render(self.source, context, max_chars)
 
 
 def pick_template(own: str | None, given: GivenTemplate | None, has_chatml: bool,

@@ -15,8 +15,12 @@ from shards.errors import ModelError
 LAYER_KINDS = ("full", "sliding")
 # Bounds on a config's sizes: a manifest may come from a peer, and every one of these
 # sizes a tensor or divides another (n_kv_heads 0 was a ZeroDivisionError in a stage).
-_SIZE_BOUNDS = {"n_layers": 1 << 16, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "n_heads": 1 << 12,
-                "n_kv_heads": 1 << 12, "head_dim": 1 << 14, "vocab_size": 1 << 24, "max_position": 1 << 28}
+# The context (max_position) sizes nothing in the file, so nothing there backs a claim:
+# 2^24 is past every published model's (Llama 4 Scout's 10M the longest), and a file
+# that claims more (2^28) is refused at conversion rather than served on its word.
+MAX_CONTEXT = 1 << 24
+SIZE_BOUNDS = {"n_layers": 1 << 16, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "n_heads": 1 << 12,
+               "n_kv_heads": 1 << 12, "head_dim": 1 << 14, "vocab_size": 1 << 24, "max_position": MAX_CONTEXT}
 ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_KINDS = ("linear", "dynamic", "llama3", "factors")
 
@@ -92,7 +96,7 @@ class ModelConfig:
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
-        for name, hi in _SIZE_BOUNDS.items():
+        for name, hi in SIZE_BOUNDS.items():
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= hi:
                 raise ModelError(f"model config {name}={value!r} must be an integer in 1..{hi}")

@@ -11,6 +11,8 @@ import torch
 from gguf import GGUFReader, GGUFValueType, LlamaFileType
 from gguf.quants import dequantize
 
+from shards.chat_templates import MAX_TEMPLATE_BYTES
+from shards.config import SIZE_BOUNDS
 from shards.errors import ModelError
 from shards.families import GGUFMeta, for_gguf
 from shards.families.base import unpermute_rope  # noqa: F401  (where tests and users found it)
@@ -85,6 +87,39 @@ class _Fields(Mapping):
         return len(self._fields)
 
 
+# The metadata that sizes the model, by the config field whose bound it has (shards/config.py).
+_SIZED = {"context_length": "max_position", "block_count": "n_layers", "embedding_length": "hidden_size",
+          "feed_forward_length": "intermediate_size", "attention.head_count": "n_heads",
+          "attention.head_count_kv": "n_kv_heads", "attention.key_length": "head_dim",
+          "attention.value_length": "head_dim", "vocab_size": "vocab_size"}
+
+
+def check_sizes(meta: GGUFMeta) -> None:
+    """Sizes in a GGUF's metadata are integers in sane ranges, its vocabulary and chat
+    template of sane lengths: a ModelError naming the key otherwise, before anything is
+    read or allocated by them (a 2^28 context claim converted, and serving took it at its word)."""
+    for key, field in _SIZED.items():
+        value = meta.get(key)
+        if value is None:
+            continue
+        hi = SIZE_BOUNDS[field]
+        if isinstance(value, list):  # per-layer counts: each one in range (the family decides if it can use them)
+            bad = next((v for v in value if type(v) is not int or not 0 <= v <= hi), None)
+        else:
+            bad = value if type(value) is not int or not 1 <= value <= hi else None
+        if bad is not None:
+            raise ModelError(f"{meta.name}: GGUF metadata {meta.arch}.{key}={bad!r} is out of range "
+                             f"(an integer in 1..{hi})")
+    n_tokens = len(meta.fields.get("tokenizer.ggml.tokens") or ())
+    if n_tokens > SIZE_BOUNDS["vocab_size"]:
+        raise ModelError(f"{meta.name}: GGUF tokenizer.ggml.tokens has {n_tokens} tokens "
+                         f"(at most {SIZE_BOUNDS['vocab_size']})")
+    template = meta.fields.get("tokenizer.chat_template")
+    if template is not None and (not isinstance(template, str) or len(template.encode()) > MAX_TEMPLATE_BYTES):
+        raise ModelError(f"{meta.name}: GGUF tokenizer.chat_template is not a text of at most "
+                         f"{MAX_TEMPLATE_BYTES} bytes")
+
+
 class GGUFSource(TensorSource):
     format = "gguf"
 
@@ -99,6 +134,7 @@ class GGUFSource(TensorSource):
         self.family = for_gguf(arch, self.path.name)
         self.architecture = self.family.name
         meta = GGUFMeta(self.fields, arch, self._get, set(self._tensors), self.path.name)
+        check_sizes(meta)
         self.config = self.family.config_from_gguf(meta)
         self._check_all_used(set(self._tensors), {"rope_freqs.weight"}, self.path.name)
         self.chat_template: str | None = self.fields.get("tokenizer.chat_template")

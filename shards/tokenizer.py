@@ -305,16 +305,19 @@ class MeshTokenizer:
         return StreamDecoder(self.tokenizer, skip_special)
 
     def render_chat(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
-                    add_generation_prompt: bool = True, **extra) -> str:
+                    add_generation_prompt: bool = True, max_chars: int | None = None, **extra) -> str:
         """The prompt text of a chat through its template (shards/chat.py's ``pick_template``),
         with ``tools`` where given and any variable the template reads (``enable_thinking``);
-        ModelError where the model has none."""
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **extra)
+        rendered in a worker process within time, memory and ``max_chars`` bounds
+        (shards/template_sandbox.py: TemplateLimit past one); ModelError where the model has none."""
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    max_chars=max_chars, **extra)
 
-    def encode_chat(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, **extra) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None,
+                    max_chars: int | None = None, **extra) -> list[int]:
         """Token ids of a chat prompt; the template writes BOS itself where the model has one,
         so none is added (as transformers' apply_chat_template tokenizes)."""
-        return self.encode(self.render_chat(messages, tools=tools, **extra))
+        return self.encode(self.render_chat(messages, tools=tools, max_chars=max_chars, **extra))
 
     def chat_prompt(self, messages: Sequence[dict]) -> str:
         """The prompt text for a chat of {role, content} messages (kept for callers of the first API)."""

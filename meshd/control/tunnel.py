@@ -35,7 +35,7 @@ CLIENT_HEADER = "X-Meshd-Client"  # the client a member forwards for (trusted on
 ENTRY_HEADER = "X-Meshd-Entry"  # the member that handed it over (set here, trusted only with TUNNEL_HEADER)
 MAX_CLIENT = 128
 # What a member may ask of the supernode's API through the tunnel.
-TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/mesh/drain"})
+TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/mesh/drain"})
 # ...and what it may read (GET): the live figures and request timelines it shows for the mesh.
 READABLE = re.compile(r"/live(\?since=[0-9]{1,15})?|/traces(\?limit=[0-9]{1,4})?|/traces/[A-Za-z0-9._:-]{1,128}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")

@@ -40,6 +40,7 @@ from meshd.serving.openai import (
     find_surrogate,
     parse_request,
     response_json,
+    tokenize_chat,
     sse,
 )
 from meshd.serving.proxy import Handoff, proxy_completion
@@ -284,10 +285,15 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
             await node.scheduler.close(s)  # any that never got to stream
 
 
+TOKENIZE_THREADS = 4
+
+
 @functools.cache
 def _tokenize_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """One thread: prompts are tokenized one at a time, off the event loop."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-tokenize")
+    """Prompts are tokenized (and chat templates rendered) off the event loop, a few at a
+    time: a render waits on its worker process (shards/template_sandbox.py) up to its time
+    limit, and a bad template's render must not hold up every other prompt meanwhile."""
+    return concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="meshd-tokenize")
 
 
 def fingerprint(model: str) -> str:
@@ -459,14 +465,18 @@ TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize {"prompt": TEXT} or {"messages": [...]} (vLLM's shape): the token ids the
-    model would see; POST /detokenize {"tokens": [...]}: their text. Run by the supernode."""
+    model would see; POST /detokenize {"tokens": [...]}: their text. Run by the supernode (a
+    member hands it over the sealed link), after the prompt bound, off the event loop."""
     node = request.app[NODE]
     body = await read_json(request)
     if not node.view.is_supernode:
-        base = await node.supernode_base_url()
-        async with node.http.post(base + request.path, json=body, headers=node.mesh_auth(request.path)) as up:
+        if _mesh_peer(request):  # a peer took this one for the supernode: not a chain of hand-overs
+            raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})")
+        async with node.supernode_post(request.path, body, request.headers.get("Authorization", ""),
+                                       client=client_id(request, False, _bearer(request)),
+                                       request_id=request.get(REQUEST_ID, "")) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
-    parts = node.serving_parts()
+    parts = await node.serving_parts_soon()
     if parts is None:
         raise NoCapacity(node.unavailable_reason())
     tokenizer, context = parts
@@ -475,17 +485,18 @@ async def tokenize(request: web.Request) -> web.Response:
     bad = find_surrogate(body)
     if bad is not None:
         raise BadRequest(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode", param=bad)
+    run = functools.partial(asyncio.get_running_loop().run_in_executor, _tokenize_pool())
     if request.path == "/detokenize":
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
             raise BadRequest("tokens must be a list of token ids of this model", param="tokens")
-        return web.json_response({"prompt": await asyncio.to_thread(tokenizer.decode, ids)})
+        return web.json_response({"prompt": await run(tokenizer.decode, ids)})
+    check_prompt_size(body, context, tokenizer.max_token_chars)
     if isinstance(body.get("prompt"), str):
         special = body.get("add_special_tokens", True) is not False
-        ids = await asyncio.to_thread(tokenizer.encode, body["prompt"], special)
+        ids = await run(tokenizer.encode, body["prompt"], special)
     elif body.get("messages") is not None:
-        ids = parse_request({"messages": body["messages"]}, chat=True, model=node.model_name, tokenizer=tokenizer,
-                            context=1 << 62, max_tokens_limit=1).prompt_ids
+        ids = await run(tokenize_chat, body, tokenizer, context)
     else:
         raise BadRequest("tokenize takes a prompt (a string) or messages", param="prompt")
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": context})

@@ -18,6 +18,7 @@ from meshd.serving.scheduler import Priority
 from shards import grammar
 from shards.chat_templates import BUILTIN
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shards.template_sandbox import TemplateLimit, WorkerUnavailable
 from shards.tokenizer import MeshTokenizer
 
 MAX_CHOICES = 8
@@ -388,10 +389,7 @@ def parse_request(
                 raise BadRequest(f"tools: a parameters schema is not usable: {exc}", param="tools") from None
         if grammar_text is not None:
             grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format")
-        try:
-            prompts = (tuple(_encode_chat(tokenizer, messages, tools)),)
-        except ModelError as exc:  # the template refuses these messages (say, a system turn for Gemma)
-            raise BadRequest(str(exc), param="messages") from None
+        prompts = (tuple(_chat_ids(tokenizer, messages, tools, context)),)
     else:
         prompts, texts = _prompts(body, tokenizer)
         if body.get("suffix") not in (None, ""):
@@ -453,15 +451,43 @@ def parse_request(
                              given, context, tools, texts, Priority[priority.upper()])
 
 
-def _encode_chat(tokenizer: MeshTokenizer, messages: list[dict], tools: ToolSpec | None) -> list[int]:
+def tokenize_chat(body: dict, tokenizer: MeshTokenizer, context: int) -> list[int]:
+    """/tokenize's ``messages``: the prompt ids a chat of them would have (no check against
+    the context: /tokenize is how a client finds out how long a prompt is)."""
+    if not tokenizer.template.available:
+        raise BadRequest(NO_TEMPLATE, code="chat_template_missing")
+    return _chat_ids(tokenizer, _chat_messages(body), None, context)
+
+
+def _chat_ids(tokenizer: MeshTokenizer, messages: list[dict], tools: ToolSpec | None, context: int) -> list[int]:
+    """A chat's prompt ids, or BadRequest: the template refuses these messages (say, a system
+    turn for Gemma), it passed a render bound (shards/template_sandbox.py: the error's code
+    names it), or it rendered nothing. The rendered text is bounded as a prompt is
+    (guards.check_prompt_size): more than the context could hold is refused, not tokenized."""
+    try:
+        ids = _encode_chat(tokenizer, messages, tools, context * tokenizer.max_token_chars)
+    except TemplateLimit as exc:
+        raise BadRequest(str(exc), param="messages", code=exc.limit) from None
+    except WorkerUnavailable:
+        raise  # this peer's fault, not the request's: a 500
+    except ModelError as exc:
+        raise BadRequest(str(exc), param="messages") from None
+    if not ids:
+        raise BadRequest("the chat template rendered these messages as an empty prompt", param="messages")
+    return ids
+
+
+def _encode_chat(tokenizer: MeshTokenizer, messages: list[dict], tools: ToolSpec | None, max_chars: int) -> list[int]:
     """The chat's prompt through the model's own template; tools through it where it reads
-    them, else described by meshd in the fallback (Hermes) format."""
+    them, else described by meshd in the fallback (Hermes) format. ``max_chars``: the most
+    text the template may render."""
     defs = list(tools.tools) if tools is not None else None
     has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     if tokenizer.template.supports_tools or not (defs or has_tool_turns):
-        return tokenizer.encode_chat(messages, tools=defs)
+        return tokenizer.encode_chat(messages, tools=defs, max_chars=max_chars)
     plain = toolcalls.fallback_messages(messages, defs)
-    return tokenizer.encode_chat([{"role": m["role"], "content": m.get("content") or ""} for m in plain])
+    return tokenizer.encode_chat([{"role": m["role"], "content": m.get("content") or ""} for m in plain],
+                                 max_chars=max_chars)
 
 
 def completion_id(chat: bool) -> str:
