@@ -507,8 +507,8 @@ async def drain(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("node"), str):
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
-    if not node.view.is_supernode:
-        async with node.supernode_post(request.path, body) as up:
+    if not node.view.is_supernode:  # with the caller's key: the supernode checks its own
+        async with node.supernode_post(request.path, body, request.headers.get("Authorization", "")) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 
@@ -518,7 +518,7 @@ def make_app(node: Daemon) -> web.Application:
     app = web.Application(client_max_size=node.config.max_body_bytes,
                           # outermost first: the count sees the status the client gets
                           middlewares=[node.metrics.count_requests, request_id_middleware, cors_middleware,
-                                       control_guard(_control_keys, _mesh_peer),
+                                       control_guard(_control_keys, _mesh_peer, node.config.allowed_hosts),
                                        auth_middleware, errors_middleware])
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)
