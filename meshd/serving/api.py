@@ -23,7 +23,7 @@ from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, St
 from meshd.control.tunnel import ENTRY_HEADER
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, REQUEST_ID, TRACE, Daemon
-from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
+from meshd.serving.guards import CLIENT_KEY, bearer_key, check_prompt_size, client_id, control_guard, parse_json
 from meshd.serving.metrics import CLIENT_CLOSED, CLIENT_GONE
 from meshd.serving.observe import Observe
 from meshd.serving.openai import (
@@ -146,9 +146,7 @@ async def cors_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-def _bearer(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
-    return value[7:].strip() if value.lower().startswith("bearer ") else None
+_bearer = bearer_key
 
 
 def _same(given: str, want: str) -> bool:

@@ -195,6 +195,20 @@ def host_allowed(header: str | None, sockname, extra: Iterable[str]) -> bool:
     return ip in machine_addresses()
 
 
+def bearer_key(request: web.Request) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header, or None."""
+    value = request.headers.get("Authorization", "")
+    return value[7:].strip() if value.lower().startswith("bearer ") else None
+
+
+def owner_of(request: web.Request, keyed: bool, bearer: str | None) -> str:
+    """Who owns the files and batches a Batch API call makes: the API key (hashed) where
+    keys are configured, else the client's address (as OpenAI keeps a project's apart)."""
+    if keyed and bearer:
+        return "key:" + hashlib.sha256(bearer.encode("utf-8", "surrogateescape")).hexdigest()
+    return "addr:" + (request.remote or "?")
+
+
 def control_guard(keys: Callable[[web.Request], Iterable[str]], mesh_peer: Callable[[web.Request], bool],
                   allowed_hosts: Iterable[str] = ()):
     """Middleware for ``/v1/mesh/*``: a ``Host`` that names this peer (also for the Batch
