@@ -404,7 +404,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
                                       Handoff(cid, resp, list(sent.first_ids), sent.first_text))
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
-        status = 503 if isinstance(failure, NoCapacity) else 500
+        status = 503 if isinstance(failure, NoCapacity) else 400 if isinstance(failure, InvalidParams) else 500
         await resp.write(sse(error_json(f"generation failed: {failure}", status, code=_code(failure))))
     await resp.write(sse(DONE))
     await resp.write_eof()
