@@ -178,6 +178,21 @@ def test_names_of_the_peer_pass_the_host_check(split):
         assert status == 403 and data["error"]["param"] == "Host", (name, status, data)
 
 
+def test_host_headers_are_read_as_browsers_send_them():
+    """The name in Host without port or brackets; an allowed domain covers its subdomains,
+    not names that merely end the same way; "*" turns the check off."""
+    from meshd.serving.guards import host_allowed, host_name
+
+    assert [host_name(h) for h in ("Example.ORG:8470", "[::1]:80", "::1", "a.b.", "10.0.0.1")] == \
+        ["example.org", "::1", "::1", "a.b", "10.0.0.1"]
+    assert host_allowed("api.localhost:1", None, ()) and host_allowed(None, None, ())
+    assert host_allowed("10.9.9.9:1", ("10.9.9.9", 1), ())  # the address the connection reached
+    assert not host_allowed("10.9.9.9:1", ("10.9.9.8", 1), ())
+    assert host_allowed("x.mesh.example", None, (".mesh.example",))
+    assert not host_allowed("xmesh.example", None, (".mesh.example",))
+    assert host_allowed(EVIL, None, ("*",)) and not host_allowed(EVIL, None, ("mesh.example",))
+
+
 def test_a_drain_through_a_keyless_member_needs_the_supernodes_control_key(split):
     """The issue's drain, sent to beta (no keys) from its own box with a proper Host: beta
     lets it through to the supernode, which now asks for its control key: 401 without

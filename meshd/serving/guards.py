@@ -136,12 +136,10 @@ def client_id(request: web.Request, mesh_peer: bool, bearer: str | None) -> str:
 
 @functools.cache
 def machine_names() -> frozenset[str]:
-    """This machine's own names: its hostname, fully qualified name, and mDNS name."""
-    names = set()
-    for name in (socket.gethostname(), socket.getfqdn()):
-        if name:
-            names |= {name.lower(), name.lower().split(".")[0] + ".local"}
-    return frozenset(names)
+    """This machine's own names: its hostname and its mDNS name (not the fully qualified
+    name: finding that asks DNS, which may block the event loop for seconds)."""
+    name = socket.gethostname().lower()
+    return frozenset({name, name.split(".")[0] + ".local"}) if name else frozenset()
 
 
 def machine_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
