@@ -96,6 +96,10 @@ class Config:
     # /v1/mesh/* (control) answers only cors_mesh_origins, none by default.
     cors_origins: tuple[str, ...] = ()
     cors_mesh_origins: tuple[str, ...] = ()
+    # Names (besides loopback, this machine's hostname and its addresses) that a control
+    # or Batch API call's Host header may give: a DNS alias or a reverse proxy's name;
+    # ".example.org" for a domain and its subdomains, "*" for any (no DNS-rebinding check).
+    allowed_hosts: tuple[str, ...] = ()
     # HTTP API keys (one per line): when set, completions and models need
     # "Authorization: Bearer KEY"; control endpoints (drain) need a control key,
     # or an API key when no control key file is set.

@@ -171,7 +171,7 @@ class Node:
                              isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
-        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_drain, self.spawn,
+        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_leave, self.spawn,
                                           self.local_token)
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost,
@@ -444,7 +444,7 @@ class Node:
         try:
             async with asyncio.timeout(max(1.0, (deadline - time.monotonic()) / 2)):
                 await self._wait_for(self.routable, 2.0, "no supernode")
-                async with self.supernode_post("/v1/mesh/drain", {"node": self.node_id}) as resp:
+                async with self.supernode_post(tunnel.LEAVE, {}) as resp:  # no key needed for itself
                     await resp.read()
                     log.info("drained_self", status=resp.status)
         except (aiohttp.ClientError, TimeoutError, NoCapacity) as exc:
@@ -488,24 +488,18 @@ class Node:
         async with tunnel.call(link, "GET", path, b"", sock_read=timeout_s) as up:
             yield up
 
-    async def _tunneled_drain(self, body: bytes) -> tuple[int, bytes]:
-        """/v1/mesh/drain asked by a member over its link: (status, JSON body)."""
-        try:
-            req = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            req = None
-        if not isinstance(req, dict) or not isinstance(req.get("node"), str):
-            return 400, json.dumps(error_json('the body must be {"node": NODE_ID}', 400, "node")).encode()
+    async def _tunneled_leave(self, peer: str) -> tuple[int, bytes]:
+        """A member leaving asks over its link that its own span be moved away: (status, JSON body)."""
         if not self.view.is_supernode:
             return 503, json.dumps(error_json("not the supernode (any more)", 503)).encode()
         try:
-            return 200, json.dumps(await self.drain_peer(NodeId(req["node"]))).encode()
+            return 200, json.dumps(await self.drain_peer(NodeId(peer))).encode()
         except BadRequest as exc:
             return exc.status, json.dumps(error_json(str(exc), exc.status, exc.param)).encode()
         except NoCapacity as exc:
             return 503, json.dumps(error_json(f"the mesh cannot serve now: {exc}", 503)).encode()
         except KNOWN_ERRORS as exc:
-            log.warning("drain_failed", node=req["node"], error=str(exc))
+            log.warning("drain_failed", node=peer, error=str(exc))
             return 500, json.dumps(error_json(f"drain failed: {exc}", 500)).encode()
 
     def local_auth(self) -> dict[str, str]:

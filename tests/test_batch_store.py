@@ -157,3 +157,38 @@ def test_the_size_bound_refuses_uploads_and_writes_with_a_clear_error(tmp_path):
     finally:
         s.close()
 
+
+
+def test_owners_see_their_own_and_only_the_operator_sees_records_from_before_owners(tmp_path):
+    """Schema 1 had no owners: reopened, its records are ``legacy``, which callers on the
+    peer's own box see and a remote client does not; new records are their owner's."""
+    import sqlite3
+
+    from meshd.serving.batchstore import LEGACY_OWNER, Owner
+
+    path = tmp_path / DB_NAME
+    old = sqlite3.connect(path)
+    old.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                      "CREATE TABLE files (id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, "
+                      "bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, kind TEXT NOT NULL, batch_id TEXT, "
+                      "data BLOB); INSERT INTO meta VALUES ('schema', '1');"
+                      "INSERT INTO files VALUES ('file-old', 'batch', 'old.jsonl', 0, 1, 'input', NULL, x'');")
+    old.commit()
+    old.close()
+    s = BatchStore(path, 64 << 20)
+    s.open()
+    try:
+        assert s.get_file("file-old")["owner"] == LEGACY_OWNER
+        data = line("x") + b"\n"
+        s.add_file("file-new", "new.jsonl", "batch", io.BytesIO(data), len(data), "addr:10.0.0.9")
+        s.create_batch("batch_new", "file-new", EP, "24h", 2**31, None, "addr:10.0.0.9")
+        s.finish("batch_new", Status.COMPLETED)
+        remote, other, operator = Owner("addr:10.0.0.9"), Owner("addr:10.0.0.10"), Owner("addr:127.0.0.1", local=True)
+        ids = lambda o: {f["id"] for f in s.list_files(None, 100, None, True, o)}  # noqa: E731
+        assert ids(remote) == {"file-new"} and ids(other) == set() and ids(operator) == {"file-old"}
+        assert [b["id"] for b in s.list_batches(10, None, remote)] == ["batch_new"]
+        assert s.list_batches(10, None, other) == []
+        assert operator.sees(s.get_file("file-old")) and not remote.sees(s.get_file("file-old"))
+        assert s.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "2"
+    finally:
+        s.close()

@@ -36,6 +36,11 @@ ENTRY_HEADER = "X-Meshd-Entry"  # the member that handed it over (set here, trus
 MAX_CLIENT = 128
 # What a member may ask of the supernode's API through the tunnel.
 TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/mesh/drain"})
+# A member leaving (at its own shutdown) asks the supernode to move its span away: the
+# only control act a member may ask without a control key, and only for itself. No HTTP
+# route leads here: a member's client can reach only /v1/mesh/drain, which the supernode
+# runs through its own API (its Host, key and caller checks) like any other call.
+LEAVE = "/mesh/leave"
 # ...and what it may read (GET): the live figures and request timelines it shows for the mesh.
 READABLE = re.compile(r"/live(\?since=[0-9]{1,15})?|/traces(\?limit=[0-9]{1,4})?|/traces/[A-Za-z0-9._:-]{1,128}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
@@ -142,8 +147,8 @@ class TunnelServer:
     """The supernode's side: runs tunneled requests against its own API on loopback."""
 
     def __init__(self, http: Callable[[], aiohttp.ClientSession], own_url: Callable[[], str],
-                 drain: Callable[[bytes], Awaitable[tuple[int, bytes]]], spawn: Callable, local_token: str):
-        self._http, self._own_url, self._drain, self._spawn = http, own_url, drain, spawn
+                 leave: Callable[[str], Awaitable[tuple[int, bytes]]], spawn: Callable, local_token: str):
+        self._http, self._own_url, self._leave, self._spawn = http, own_url, leave, spawn
         self._local_token = local_token
         self._running: dict[tuple[str, int], asyncio.Task] = {}
 
@@ -164,14 +169,14 @@ class TunnelServer:
         try:
             if msg.method == "GET" and READABLE.fullmatch(msg.path):
                 await self._loopback(link, msg)
+            elif msg.method == "POST" and msg.path == LEAVE:  # the member itself, never another peer
+                status, body = await self._leave(link.peer_id)
+                await link.send(ApiReply(msg.req, status, body, 1))
             elif msg.method != "POST" or msg.path not in TUNNELED:
                 await link.send(ApiReply(msg.req, 404, b'{"error": {"message": "not through the tunnel"}}', 1))
             elif not plain_header(msg.authorization):
                 await link.send(ApiReply(msg.req, 400, b'{"error": {"message": "malformed Authorization"}}', 1))
-            elif msg.path == "/v1/mesh/drain":  # a member asks: no control key, as it is one of us
-                status, body = await self._drain(msg.body)
-                await link.send(ApiReply(msg.req, status, body, 1))
-            else:
+            else:  # drain too: the supernode's own API checks the caller's control key
                 await self._loopback(link, msg)
         except PeerLost:
             pass  # the caller is gone; nobody to answer

@@ -23,7 +23,7 @@ from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, St
 from meshd.control.tunnel import ENTRY_HEADER
 from meshd.serving import dashboard
 from meshd.serving.daemon import NODE, REQUEST_ID, TRACE, Daemon
-from meshd.serving.guards import CLIENT_KEY, check_prompt_size, client_id, control_guard, parse_json
+from meshd.serving.guards import CLIENT_KEY, bearer_key, check_prompt_size, client_id, control_guard, parse_json
 from meshd.serving.metrics import CLIENT_CLOSED, CLIENT_GONE
 from meshd.serving.observe import Observe
 from meshd.serving.openai import (
@@ -147,9 +147,7 @@ async def cors_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-def _bearer(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
-    return value[7:].strip() if value.lower().startswith("bearer ") else None
+_bearer = bearer_key
 
 
 def _same(given: str, want: str) -> bool:
@@ -412,7 +410,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
                                       Handoff(cid, resp, list(sent.first_ids), sent.first_text))
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
-        status = 503 if isinstance(failure, NoCapacity) else 500
+        status = 503 if isinstance(failure, NoCapacity) else 400 if isinstance(failure, InvalidParams) else 500
         await resp.write(sse(error_json(f"generation failed: {failure}", status, code=_code(failure))))
     await resp.write(sse(DONE))
     await resp.write_eof()
@@ -518,8 +516,8 @@ async def drain(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict) or not isinstance(body.get("node"), str):
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
-    if not node.view.is_supernode:
-        async with node.supernode_post(request.path, body) as up:
+    if not node.view.is_supernode:  # with the caller's key: the supernode checks its own
+        async with node.supernode_post(request.path, body, request.headers.get("Authorization", "")) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 
@@ -529,7 +527,7 @@ def make_app(node: Daemon) -> web.Application:
     app = web.Application(client_max_size=node.config.max_body_bytes,
                           # outermost first: the count sees the status the client gets
                           middlewares=[node.metrics.count_requests, request_id_middleware, cors_middleware,
-                                       control_guard(_control_keys, _mesh_peer),
+                                       control_guard(_control_keys, _mesh_peer, node.config.allowed_hosts),
                                        auth_middleware, errors_middleware])
     app[NODE] = node
     app.router.add_get("/metrics", node.metrics.handle)

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from meshd.errors import MeshError, StorageFull
 from meshd.serving.batchinput import new_id, result_record, validate_input
-from meshd.serving.batchstore import DB_NAME, TERMINAL, BatchStore, Line, Status
+from meshd.serving.batchstore import DB_NAME, LEGACY_OWNER, TERMINAL, BatchStore, Line, Status
 
 log = structlog.get_logger()
 
@@ -161,9 +161,9 @@ class BatchRunner:
         self._tg.create_task(self._run_job(job))
 
     async def submit(self, input_file_id: str, endpoint: str, window: str, window_s: int,
-                     metadata: dict | None) -> dict:
+                     metadata: dict | None, owner: str = LEGACY_OWNER) -> dict:
         row = await self.store.do(self.store.create_batch, new_id("batch_"), input_file_id, endpoint, window,
-                                  int(time.time()) + window_s, metadata)
+                                  int(time.time()) + window_s, metadata, owner)
         log.info("batch_submitted", batch=row["id"], endpoint=endpoint, file=input_file_id)
         self._start(row)
         return row

@@ -2,6 +2,11 @@
 
 A batch lives on the peer it was submitted to: ask that peer for it. Uploads stream to
 a spool file in the state directory and then into the store, never whole in memory.
+
+Every file and batch has an owner (``guards.owner_of``: the API key's hash, or the
+client's address on a peer without keys). Another owner gets a 404 for it, as if it
+did not exist, on get, content, delete, cancel and as an input file, and never sees it
+listed, as OpenAI's API behaves across projects.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from meshd.serving.api import read_json
 from meshd.serving.batch import BatchRunner
 from meshd.serving.daemon import NODE
 from meshd.serving.batchinput import ENDPOINTS, new_id
-from meshd.serving.batchstore import TERMINAL, Status
+from meshd.serving.batchstore import TERMINAL, Owner, Status
+from meshd.serving.guards import bearer_key, local_caller, owner_of
 
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
 SPOOL_IN_MEMORY = 1 << 20
@@ -36,6 +42,10 @@ def _runner(request: web.Request) -> BatchRunner:
     if runner.unavailable:
         raise NoCapacity(f"batch jobs are not available on this peer now: {runner.unavailable}")
     return runner
+
+
+def _owner(request: web.Request) -> Owner:
+    return Owner(owner_of(request, bool(request.app[NODE].api_keys), bearer_key(request)), local_caller(request))
 
 
 # -- shapes --------------------------------------------------------------------------------
@@ -137,7 +147,7 @@ async def upload_file(request: web.Request) -> web.Response:
             raise BadRequest("file is required: the JSONL input of a batch", param="file")
         await store.do(store.check_room, size)
         spool.seek(0)
-        row = await store.do(store.add_file, new_id("file-"), filename, purpose, spool, size)
+        row = await store.do(store.add_file, new_id("file-"), filename, purpose, spool, size, _owner(request).name)
     finally:
         spool.close()
     return web.json_response(file_json(row))
@@ -147,7 +157,7 @@ async def _file(request: web.Request) -> tuple[BatchRunner, dict]:
     runner = _runner(request)
     file_id = request.match_info["file_id"]
     row = await runner.store.do(runner.store.get_file, file_id)
-    if row is None:
+    if row is None or not _owner(request).sees(row):  # another's: as if it were not there
         raise BadRequest(f"no file {file_id} on this peer", 404, param="file_id")
     return runner, row
 
@@ -163,7 +173,7 @@ async def list_files(request: web.Request) -> web.Response:
         raise BadRequest('order must be "asc" or "desc"', param="order")
     limit = _limit(request, 100)
     rows = await runner.store.do(runner.store.list_files, request.query.get("purpose"), limit + 1,
-                                 request.query.get("after"), order == "desc")
+                                 request.query.get("after"), order == "desc", _owner(request))
     return web.json_response(_page([file_json(r) for r in rows], limit))
 
 
@@ -229,10 +239,12 @@ async def create_batch(request: web.Request) -> web.Response:
                          param="completion_window")
     file_id = body.get("input_file_id")
     row = await runner.store.do(runner.store.get_file, file_id) if isinstance(file_id, str) else None
-    if row is None or row["kind"] != "input" or row["purpose"] != "batch":
+    owner = _owner(request)
+    if row is None or not owner.sees(row) or row["kind"] != "input" or row["purpose"] != "batch":
         raise BadRequest(f"input_file_id {file_id!r} is not a file uploaded with purpose=batch on this peer",
                          param="input_file_id")
-    batch = await runner.submit(file_id, endpoint, window, int(hours.group(1)) * 3600, _metadata(body.get("metadata")))
+    batch = await runner.submit(file_id, endpoint, window, int(hours.group(1)) * 3600, _metadata(body.get("metadata")),
+                                owner.name)
     return web.json_response(batch_json(batch, request.app[NODE].model_name, runner))
 
 
@@ -240,7 +252,7 @@ async def _batch(request: web.Request) -> tuple[BatchRunner, dict]:
     runner = _runner(request)
     batch_id = request.match_info["batch_id"]
     row = await runner.store.do(runner.store.get_batch, batch_id)
-    if row is None:
+    if row is None or not _owner(request).sees(row):  # another's: as if it were not there
         raise BadRequest(f"no batch {batch_id} on this peer (a batch lives on the peer it was submitted to)", 404,
                          param="batch_id")
     return runner, row
@@ -254,7 +266,7 @@ async def get_batch(request: web.Request) -> web.Response:
 async def list_batches(request: web.Request) -> web.Response:
     runner = _runner(request)
     limit = _limit(request)
-    rows = await runner.store.do(runner.store.list_batches, limit + 1, request.query.get("after"))
+    rows = await runner.store.do(runner.store.list_batches, limit + 1, request.query.get("after"), _owner(request))
     model = request.app[NODE].model_name
     return web.json_response(_page([batch_json(r, model, runner) for r in rows], limit))
 

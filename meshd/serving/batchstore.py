@@ -6,6 +6,11 @@ is keyed by (batch, line) and written in the same transaction as the batch's cou
 with INSERT OR IGNORE: a line's result is written at most once, whatever runs twice.
 Output and error files are views of the results table (no second copy).
 
+Every file and batch keeps an owner (``Owner``: the API key's hash, or the client's
+address on a peer without keys); output and error files take their batch's. Records
+from before owners were kept (schema 1) get the owner ``legacy``: callers on the
+peer's own box (the operator) see them, nobody else does.
+
 One connection, used only on one worker thread (``BatchStore.do`` runs a method
 there), so the event loop never waits on the disk. ``synchronous=NORMAL`` in WAL mode:
 a committed transaction survives a crash of the process (SIGKILL); a power cut may
@@ -35,7 +40,8 @@ from typing import IO
 from meshd.errors import StorageFull
 
 DB_NAME = "batch.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: files and batches keep an owner
+LEGACY_OWNER = "legacy"  # records written before owners were kept
 BLOB_CHUNK = 1 << 20
 # The disk keeps at least this much free beyond what an upload needs: SQLite's WAL
 # and the results of running jobs need room too.
@@ -52,7 +58,8 @@ CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL,
     kind TEXT NOT NULL,                 -- input | output | error
     batch_id TEXT,                      -- output and error files: whose results they are
-    data BLOB                           -- input files only
+    data BLOB,                          -- input files only
+    owner TEXT NOT NULL DEFAULT 'legacy'
 );
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
@@ -72,7 +79,8 @@ CREATE TABLE IF NOT EXISTS batches (
     created_at INTEGER NOT NULL,
     expires_at INTEGER,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
-    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER
+    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    owner TEXT NOT NULL DEFAULT 'legacy'
 );
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
@@ -103,6 +111,24 @@ TERMINAL = frozenset({Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CA
 STAMP = {Status.IN_PROGRESS: "in_progress_at", Status.FINALIZING: "finalizing_at", Status.COMPLETED: "completed_at",
          Status.FAILED: "failed_at", Status.EXPIRED: "expired_at", Status.CANCELLING: "cancelling_at",
          Status.CANCELLED: "cancelled_at"}
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who asks: their owner string, and whether they call from the peer's own box (who
+    may also see the ``legacy`` records of an older store)."""
+
+    name: str
+    local: bool = False
+
+    def sees(self, row: dict) -> bool:
+        return row["owner"] == self.name or (self.local and row["owner"] == LEGACY_OWNER)
+
+    def where(self) -> tuple[str, tuple]:
+        """The SQL condition (and its arguments) for rows this owner sees."""
+        if self.local:
+            return "owner IN (?, ?)", (self.name, LEGACY_OWNER)
+        return "owner = ?", (self.name,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +185,10 @@ class BatchStore:
         page = db.execute("PRAGMA page_size").fetchone()[0]
         db.execute(f"PRAGMA max_page_count = {max(16, self.max_bytes // page)}")
         db.executescript(SCHEMA)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        for table in ("files", "batches"):  # a store from before owners: its records become legacy
+            if "owner" not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{LEGACY_OWNER}'")
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         self._db = db
 
     @contextlib.contextmanager
@@ -202,13 +231,14 @@ class BatchStore:
 
     # -- files ---------------------------------------------------------------------------
 
-    def add_file(self, file_id: str, filename: str, purpose: str, src: IO[bytes], size: int) -> dict:
+    def add_file(self, file_id: str, filename: str, purpose: str, src: IO[bytes], size: int,
+                 owner: str = LEGACY_OWNER) -> dict:
         """Store an uploaded file, copied from ``src`` in chunks (never whole in memory)."""
         now = int(time.time())
         with self._tx() as db:
-            cur = db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, kind, data) "
-                             "VALUES (?, ?, ?, ?, ?, 'input', zeroblob(?))",
-                             (file_id, purpose, filename, size, now, size))
+            cur = db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, kind, data, owner) "
+                             "VALUES (?, ?, ?, ?, ?, 'input', zeroblob(?), ?)",
+                             (file_id, purpose, filename, size, now, size, owner))
             if size:
                 with db.blobopen("files", "data", cur.lastrowid) as blob:
                     while chunk := src.read(BLOB_CHUNK):
@@ -216,20 +246,26 @@ class BatchStore:
         return self.get_file(file_id)
 
     def get_file(self, file_id: str) -> dict | None:
-        row = self.db.execute("SELECT id, purpose, filename, bytes, created_at, kind, batch_id FROM files "
+        row = self.db.execute("SELECT id, purpose, filename, bytes, created_at, kind, batch_id, owner FROM files "
                               "WHERE id = ?", (file_id,)).fetchone()
         return dict(row) if row else None
 
-    def list_files(self, purpose: str | None, limit: int, after: str | None, newest_first: bool) -> list[dict]:
+    def list_files(self, purpose: str | None, limit: int, after: str | None, newest_first: bool,
+                   owner: Owner | None = None) -> list[dict]:
+        """A page of the files ``owner`` sees (None: all)."""
         order = "DESC" if newest_first else "ASC"
         where, args = [], []
+        if owner is not None:
+            cond, values = owner.where()
+            where.append(cond)
+            args.extend(values)
         if purpose:
             where.append("purpose = ?")
             args.append(purpose)
         if after:
             where.append(f"rowid {'<' if newest_first else '>'} (SELECT rowid FROM files WHERE id = ?)")
             args.append(after)
-        sql = ("SELECT id, purpose, filename, bytes, created_at, kind, batch_id FROM files"
+        sql = ("SELECT id, purpose, filename, bytes, created_at, kind, batch_id, owner FROM files"
                + (" WHERE " + " AND ".join(where) if where else "") + f" ORDER BY rowid {order} LIMIT ?")
         return [dict(r) for r in self.db.execute(sql, (*args, limit))]
 
@@ -270,24 +306,30 @@ class BatchStore:
     # -- batches -------------------------------------------------------------------------
 
     def create_batch(self, batch_id: str, input_file_id: str, endpoint: str, window: str, expires_at: int,
-                     metadata: dict | None) -> dict:
+                     metadata: dict | None, owner: str = LEGACY_OWNER) -> dict:
         with self._tx() as db:
             db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, metadata, status, "
-                       "created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       "created_at, expires_at, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (batch_id, input_file_id, endpoint, window, json.dumps(metadata) if metadata else None,
-                        Status.VALIDATING, int(time.time()), expires_at))
+                        Status.VALIDATING, int(time.time()), expires_at, owner))
         return self.get_batch(batch_id)
 
     def get_batch(self, batch_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return dict(row) if row else None
 
-    def list_batches(self, limit: int, after: str | None) -> list[dict]:
+    def list_batches(self, limit: int, after: str | None, owner: Owner | None = None) -> list[dict]:
+        """A page of the batches ``owner`` sees (None: all), newest first."""
+        where, args = [], []
+        if owner is not None:
+            cond, values = owner.where()
+            where.append(cond)
+            args.extend(values)
         if after:
-            rows = self.db.execute("SELECT * FROM batches WHERE rowid < (SELECT rowid FROM batches WHERE id = ?) "
-                                   "ORDER BY rowid DESC LIMIT ?", (after, limit))
-        else:
-            rows = self.db.execute("SELECT * FROM batches ORDER BY rowid DESC LIMIT ?", (limit,))
+            where.append("rowid < (SELECT rowid FROM batches WHERE id = ?)")
+            args.append(after)
+        rows = self.db.execute("SELECT * FROM batches" + (" WHERE " + " AND ".join(where) if where else "")
+                               + " ORDER BY rowid DESC LIMIT ?", (*args, limit))
         return [dict(r) for r in rows]
 
     def unfinished(self) -> list[dict]:
@@ -359,8 +401,10 @@ class BatchStore:
                 if sizes.get(ok, (0, 0))[0]:
                     ids[kind] = f"file-{batch_id.removeprefix('batch_')}{'o' if ok else 'e'}"
                     db.execute("INSERT OR REPLACE INTO files (id, purpose, filename, bytes, created_at, kind, "
-                               "batch_id) VALUES (?, 'batch_output', ?, ?, ?, ?, ?)",
-                               (ids[kind], f"{batch_id}_{kind}.jsonl", sizes[ok][1], now, kind, batch_id))
+                               "batch_id, owner) VALUES (?, 'batch_output', ?, ?, ?, ?, ?, "
+                               "(SELECT owner FROM batches WHERE id = ?))",
+                               (ids[kind], f"{batch_id}_{kind}.jsonl", sizes[ok][1], now, kind, batch_id,
+                                batch_id))
             stamp = STAMP[status]
             db.execute(f"UPDATE batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?"
                        f"{', errors = ?' if errors is not None else ''} WHERE id = ?",

@@ -293,9 +293,24 @@ def _response_format(body: dict) -> str | None:
         schema = spec.get("schema", {})
         if not isinstance(schema, (dict, bool)):
             raise BadRequest("response_format.json_schema.schema must be an object", param="response_format.json_schema")
+        grammar.check_patterns(schema, "response_format")
         return grammar.json_schema_grammar(schema, "response_format")
     raise BadRequest(f"response_format.type {kind!r} is not implemented: text, json_object or json_schema",
                      param="response_format.type")
+
+
+def _check_fits(body: dict, tools: ToolSpec | None, max_tokens: int, max_token_chars: int, key: str) -> None:
+    """A schema (of the response, or of a forced tool call) whose shortest answer max_tokens
+    cannot hold is a 400, not a generation that runs to max_tokens and ends unfinished
+    (``minItems: 1000000000`` cost a minute of CPU)."""
+    if tools is not None and tools.choice in ("required", "function"):
+        chosen = [t["function"].get("parameters", {}) for t in tools.tools
+                  if tools.choice == "required" or t["function"]["name"] == tools.name]
+        grammar.check_fits({"anyOf": chosen}, "tools", max_tokens, max_token_chars, key)
+        return
+    spec = body.get("response_format", {}).get("json_schema")
+    if isinstance(spec, dict):
+        grammar.check_fits(spec.get("schema", {}), "response_format", max_tokens, max_token_chars, key)
 
 
 def _prompts(body: dict, tokenizer: MeshTokenizer) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
@@ -382,13 +397,14 @@ def parse_request(
         if tools is not None and tools.choice in ("required", "function"):
             chosen = [t for t in tools.tools if tools.choice == "required" or t["function"]["name"] == tools.name]
             special = tokenizer.token_id(toolcalls._MISTRAL_TAG) if tools.fmt == toolcalls.MISTRAL else None
+            grammar.check_patterns([t["function"].get("parameters", {}) for t in chosen], "tools")
             try:
                 grammar_text = toolcalls.call_grammar(tools.fmt, chosen, tools.parallel and tools.choice == "required",
                                                       special)
             except (ValueError, TypeError) as exc:
                 raise BadRequest(f"tools: a parameters schema is not usable: {exc}", param="tools") from None
-        if grammar_text is not None:
-            grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format")
+        if grammar_text is not None:  # built here, off the event loop; a generation copies it
+            grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format", tokenizer)
         prompts = (tuple(_chat_ids(tokenizer, messages, tools, context)),)
     else:
         prompts, texts = _prompts(body, tokenizer)
@@ -413,6 +429,8 @@ def parse_request(
         raise BadRequest(
             f"this model's context is {context} tokens; the {where} has {longest} and {key} asks {max_tokens} more",
             param=key, code="context_length_exceeded")
+    if grammar_text is not None:
+        _check_fits(body, tools, max_tokens, tokenizer.max_token_chars, key)
     resume = body.get("meshd_resume") or []
     if not isinstance(resume, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in resume):
         raise BadRequest("meshd_resume must be a list of token ids", param="meshd_resume")

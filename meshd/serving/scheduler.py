@@ -29,6 +29,7 @@ from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from meshd.serving.traces import Chain
 from shards.engine import URGENT
+from shards.errors import InvalidParams
 from shards.grammar import Constraint
 from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
 from shards.tokenizer import MeshTokenizer
@@ -464,7 +465,10 @@ class Scheduler:
             while True:
                 item = await session.out.get()
                 if item is None:
-                    # The lane ended it: EOS, or max_tokens reached.
+                    # The lane ended it: EOS, or max_tokens reached (or its grammar hit a limit).
+                    if (why := getattr(session.sampler.mask, "error", None)) is not None:
+                        raise InvalidParams(f"response_format: the grammar hit a limit mid-answer: {why}",
+                                            param="response_format")
                     finish = "stop" if delivered < params.max_tokens else "length"
                     break
                 if isinstance(item, BaseException):

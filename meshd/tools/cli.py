@@ -51,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--peer", action="append", default=[], metavar="HOST:PORT", help="static peer (repeatable)")
     run.add_argument("--cors-origin", dest="cors_origins", action="append", default=[], metavar="ORIGIN",
                      help="a browser origin allowed to call the API, or * for any (repeatable; default none)")
+    run.add_argument("--allowed-host", dest="allowed_hosts", action="append", default=[], metavar="NAME",
+                     help="a name control and Batch API calls may give in Host besides this machine's own "
+                          "(repeatable; .example.org for a domain, * for any)")
     run.add_argument("--advertise-vram", type=int, metavar="BYTES", help="VRAM to advertise instead of the detected")
     run.add_argument("--mem-budget", type=int, metavar="BYTES", help="memory this peer offers for layers")
     run.add_argument("--prefix-cache-entries", type=int, metavar="N",
@@ -132,6 +135,10 @@ def _flags(args: argparse.Namespace) -> dict:
         out.pop("cors_origins", None)  # unset: the config file or environment decides
     else:
         out["cors_origins"] = tuple(out["cors_origins"])
+    if not out.get("allowed_hosts"):
+        out.pop("allowed_hosts", None)
+    else:
+        out["allowed_hosts"] = tuple(out["allowed_hosts"])
     return out
 
 
