@@ -13,12 +13,13 @@ are the prompt's own (the head on every row, computed where the mesh computes it
 
     .venv/bin/python bench/bench_quality.py                      # a one-node daemon on the default model
     .venv/bin/python bench/bench_quality.py --url http://HOST:8470   # a running mesh
-    .venv/bin/python bench/bench_quality.py --model DIR --gguf FILE --hf DIR --ctx 512 --chunks 40
+    .venv/bin/python bench/bench_quality.py --model DIR --gguf FILE --hf DIR --ctx 512 --chunks 40 --cost 5
 
 ``--hf DIR`` (a float32 model directory of a Llama-family model, as ``meshd model convert
 --dtype float32`` writes it) adds transformers' perplexity of the same chunks, on the same
 weights; ``--gguf FILE`` (default: the file the model came from) with llama.cpp's tools adds
-``llama-perplexity -c CTX --chunks N`` on it.
+``llama-perplexity -c CTX --chunks N`` on it; ``--cost PAIRS`` what scoring a chunk costs over
+sending it as a plain prompt.
 """
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ def api_perplexity(url: str, chunks: list[list[int]], ctx: int) -> dict:
     seconds = time.perf_counter() - began
     return {"ppl": math.exp(nll / scored), "scored": scored, "seconds": seconds,
             "tok_s": sum(len(c) for c in chunks) / seconds}
+
+
+def scoring_cost(url: str, chunks: list[list[int]], pairs: int) -> dict:
+    """Seconds of one chunk scored (echo, logprobs, max_tokens 0) against the same chunk as a
+    plain prompt (max_tokens 1, no logprobs: the head on its last row only), in alternating
+    pairs, every request on a chunk of its own (no cached prefix to reuse), best of each.
+    Run it before the perplexity pass, which leaves the chunks cached."""
+    scored, plain = [], []
+    for i in range(min(pairs, len(chunks) // 2)):
+        a, b = chunks[2 * i], chunks[2 * i + 1]
+        t0 = time.perf_counter()
+        post(url, "/v1/completions", {"prompt": a, "echo": True, "logprobs": 0, "max_tokens": 0})
+        t1 = time.perf_counter()
+        post(url, "/v1/completions", {"prompt": b, "max_tokens": 1, "temperature": 0})
+        scored.append(t1 - t0)
+        plain.append(time.perf_counter() - t1)
+    return {"scored_s": min(scored), "plain_s": min(plain), "ratio": min(scored) / min(plain)}
 
 
 def hf_perplexity(fp32_dir: Path, chunks: list[list[int]], ctx: int) -> dict:
@@ -158,6 +176,8 @@ def main() -> int:
                     "default model's source file in the state dir's cache)")
     ap.add_argument("--hf", type=Path, default=None, help="a float32 model directory for transformers' figure")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cost", type=int, default=0, metavar="PAIRS",
+                    help="also time PAIRS chunks scored against as many plain prompts of the same length")
     add_llama_cpp_flags(ap)
     args = ap.parse_args()
 
@@ -174,6 +194,10 @@ def main() -> int:
         figures |= {"text_tokens": total, "chunks": len(chunks)}
         print(f"{TEXT.name}: {total} tokens; {len(chunks)} chunks of {args.ctx}, stride {args.ctx}, "
               f"the last {args.ctx - args.ctx // 2 - 1} of each scored")
+        if args.cost:
+            figures["cost"] = scoring_cost(url, chunks, args.cost)
+            print(f"a chunk scored {figures['cost']['scored_s']:.2f} s, as a plain prompt "
+                  f"{figures['cost']['plain_s']:.2f} s (x{figures['cost']['ratio']:.2f}, best of {args.cost})")
         figures["meshd"] = api_perplexity(url, chunks, args.ctx)
         print(f"meshd API:       PPL {figures['meshd']['ppl']:.4f}  ({figures['meshd']['scored']} tokens scored, "
               f"{figures['meshd']['tok_s']:.0f} prompt tok/s)")
