@@ -147,3 +147,30 @@ async def test_echo_with_max_tokens_0_is_the_prompt_back(tiny_node, client):
     [choice] = data["choices"]
     assert choice["text"] == "hi there" and choice["logprobs"] is None and choice["finish_reason"] == "length"
     assert data["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_lm_eval_local_completions_payload_scores_each_choice(tiny_node, client):
+    """What lm-evaluation-harness's ``local-completions`` sends for a multiple-choice item: one
+    request, the context followed by each choice as token-id lists, ``echo``, ``logprobs: 1``,
+    ``max_tokens: 1``; it reads ``token_logprobs[ctxlen:-1]`` of each choice (in prompt order)
+    and whether each was the top token. The context's own entries are alike in every choice, and
+    a choice's sum is what the same prompt scored alone (``max_tokens: 0``) gives."""
+    context = [10, 20, 30, 40, 50, 60, 70]
+    choices = [[11, 12], [21, 22, 23], [31]]
+    prompts = [context + c for c in choices]
+    data = await complete(client, tiny_node.url, {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+                                                  "temperature": 0, "seed": 1234})
+    got = sorted(data["choices"], key=lambda c: c["index"])
+    assert len(got) == len(prompts)
+    for prompt, choice in zip(prompts, got):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1  # the prompt, then the one generated token
+        part = lp["token_logprobs"][len(context):-1]
+        assert len(part) == len(prompt) - len(context) and all(v <= 0 for v in part)
+        # the top token's logprob is at least the prompt token's (lm-eval's is_greedy compares them)
+        assert all(max(top.values()) >= v - 1e-6 for v, top in zip(part, lp["top_logprobs"][len(context):-1]))
+        assert lp["token_logprobs"][1:len(context)] == pytest.approx(got[0]["logprobs"]["token_logprobs"][1:len(context)],
+                                                                     abs=1e-5)
+        alone = await complete(client, tiny_node.url, {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 0})
+        assert sum(alone["choices"][0]["logprobs"]["token_logprobs"][len(context):]) == pytest.approx(sum(part), abs=1e-4)
