@@ -61,6 +61,21 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 # Set (in a task) for engine calls that should not queue behind others': the step that
 # gives a new session its first token. Calls run one at a time; an urgent one queued while
 # another runs goes in between that one's layers (``_Worker.run_urgent``).
+# Rows the head scores at once (prompt logprobs): the logits of a step's prompt rows are
+# never all in memory together, HEAD_ROWS x vocab floats at most (12.6 MB for a 49k vocab).
+HEAD_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """Rows of a step whose logits are wanted whole, not just picked from (a prompt's rows
+    for its logprobs): ``fn(i, logits)`` gets ``rows[i:i + n]``'s logits [n, V], n <= HEAD_ROWS,
+    on the engine's thread."""
+
+    rows: list[int]
+    fn: Callable[[int, Tensor], None]
+
+
 URGENT: contextvars.ContextVar[bool] = contextvars.ContextVar("meshd_engine_urgent", default=False)
 
 
@@ -339,6 +354,15 @@ class StageEngine:
     def _head(self, hidden: Tensor) -> Tensor:
         return self.stage.head(hidden)
 
+    def _heads(self, x: Tensor, rows: list[int], fn: Callable[[Tensor], R], score: Score | None) -> R:
+        """``score``'s rows through the head a slice at a time, then ``fn`` of ``rows``' logits."""
+        if score is not None:
+            for i in range(0, len(score.rows), HEAD_ROWS):
+                score.fn(i, self._head(x[score.rows[i:i + HEAD_ROWS]]))
+        if not rows:
+            return fn(torch.empty(0, self.config.vocab_size))
+        return fn(self._head(x[rows]))
+
     # -- the async interface --------------------------------------------------------
     # Results come back on the CPU, ready to pack into a frame or sample from; inputs may
     # live anywhere and are moved to the engine's device.
@@ -371,14 +395,16 @@ class StageEngine:
     async def head(self, hidden: Tensor) -> Tensor:  # [T, H] -> [T, V] float32
         return await self._run(lambda: self._head(hidden).cpu())
 
-    async def head_then(self, hidden: Tensor, rows: list[int], fn: Callable[[Tensor], R]) -> R:
+    async def head_then(self, hidden: Tensor, rows: list[int], fn: Callable[[Tensor], R],
+                        score: Score | None = None) -> R:
         """The head on ``hidden[rows]``, and ``fn`` of those logits [len(rows), V],
-        both on the worker thread (sampling is torch work too)."""
-        return await self._run(lambda: fn(self._head(hidden[rows])))
+        both on the worker thread (sampling is torch work too); ``score``'s rows first."""
+        return await self._run(lambda: self._heads(hidden, rows, fn, score))
 
     async def step(self, segments: Sequence[tuple[str, int, int]], tokens: Sequence[int] | None = None,
                    hidden: Tensor | None = None, rows: list[int] | None = None,
-                   fn: Callable[[Tensor], R] | None = None) -> tuple[Tensor | R, float]:
+                   fn: Callable[[Tensor], R] | None = None, score: Score | None = None
+                   ) -> tuple[Tensor | R, float]:
         """The supernode's own span in one call on the worker thread: ``tokens`` embedded
         (else ``hidden`` as it came), through the span, then, where ``rows`` are given, the
         head on those rows and ``fn`` of their logits (as ``head_then``). Returns that, or
@@ -393,7 +419,7 @@ class StageEngine:
             x, seconds = self._timed(segments, x)
             if rows is None or fn is None:
                 return x.cpu(), seconds
-            return fn(self._head(x[rows])), seconds
+            return self._heads(x, rows, fn, score), seconds
 
         return await self._run(chain)
 

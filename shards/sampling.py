@@ -33,6 +33,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
     grammar: str | None = None  # an llguidance grammar (shards.grammar) every token must keep to
+    # vLLM's extensions: the end tokens masked (and stop strings not looked for) until this
+    # many tokens are generated; end tokens taken as any other token (max_tokens ends it)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # vLLM's: the log-probability of every prompt token after the first, and the k most
+    # likely at each prompt position (None: not computed; the head then runs on one row)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -56,6 +63,11 @@ class SamplingParams:
             raise InvalidParams("logit_bias values must be within [-100, 100]", param="logit_bias")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParams(f"top logprobs must be within [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParams(f"prompt logprobs must be within [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidParams(f"min_tokens {self.min_tokens} must be within [0, max_tokens = {self.max_tokens}]",
+                                param="min_tokens")
 
     @property
     def penalized(self) -> bool:
@@ -96,12 +108,16 @@ class Sampler:
         # Greedy with nothing to apply first: the argmax of the logits as they are, without
         # seeding the generator or copying the row (a decode step pays this per session).
         self._argmax_only = (p.temperature == 0.0 and mask is None and not p.logit_bias and not p.penalized
-                             and p.logprobs is None)
+                             and p.logprobs is None and not (p.min_tokens and eos))
+        self._eos_ids = torch.tensor(sorted(eos), dtype=torch.long)
 
-    def process(self, logits: Tensor, history: Sequence[int] = (), prompt_len: int = 0) -> Tensor:
-        """The logits after bias, penalties and the grammar's mask (a new float32 CPU tensor)."""
+    def process(self, logits: Tensor, history: Sequence[int] = (), prompt_len: int = 0, step: int = 0) -> Tensor:
+        """The logits after bias, penalties and the grammar's mask, and the end tokens masked
+        while ``step`` (tokens generated so far) is below min_tokens (a new float32 CPU tensor)."""
         x = logits.detach().to(device="cpu", dtype=torch.float32).reshape(-1).clone()
         p = self.params
+        if step < p.min_tokens and self.eos:
+            x[self._eos_ids[self._eos_ids < x.numel()]] = float("-inf")
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias if t < x.numel()], dtype=torch.long)
             x.index_add_(0, ids, torch.tensor([b for t, b in p.logit_bias if t < x.numel()]))
@@ -125,7 +141,7 @@ class Sampler:
         if self._argmax_only and logits.device.type == "cpu" and logits.dtype == torch.float32:
             return int(torch.argmax(logits.reshape(-1)))  # what process and _draw give here, without the copy
         self.generator.manual_seed((self.seed * 1_000_003 + step) % 2**63)
-        x = self.process(logits, history, prompt_len)
+        x = self.process(logits, history, prompt_len, step)
         token = self._draw(x)
         if self.params.logprobs is not None:
             logp = torch.log_softmax(x, dim=-1)
@@ -156,6 +172,22 @@ class Sampler:
             sorted_probs[before >= p.top_p] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def prompt_scores(logits: Tensor, targets: Sequence[int], tops: Sequence[int]) -> list[TokenLogprobs]:
+    """Prompt rows' scores: per row of ``logits`` [N, V] (the model's raw distribution, as
+    vLLM's prompt logprobs are), the log-probability of the prompt's next token
+    ``targets[i]`` and the ``tops[i]`` most likely tokens'."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(list(targets), dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    k = max(tops, default=0)
+    values: list = []
+    indices: list = []
+    if k:
+        top = torch.topk(logp, k)
+        values, indices = top.values.tolist(), top.indices.tolist()
+    return [TokenLogprobs(t, v, tuple(zip(indices[i][:tops[i]], values[i][:tops[i]])) if tops[i] else ())
+            for i, (t, v) in enumerate(zip(targets, picked))]
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int | None:

@@ -44,6 +44,14 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": "hi", "stop": [""]}, 400, "stop", id="stop-empty"),
     pytest.param({"prompt": "hi", "stream": "yes"}, 400, "stream", id="stream-not-bool"),
     pytest.param({"prompt": "hi", "model": "gpt-4"}, 404, "model", id="unknown-model"),
+    pytest.param({"prompt": "hi", "max_tokens": -1, "echo": True}, 400, "max_tokens", id="echo-max-tokens-negative"),
+    pytest.param({"prompt": "hi", "echo": True, "logprobs": 6}, 400, "logprobs", id="echo-logprobs-6"),
+    pytest.param({"prompt": "hi", "echo": "yes", "logprobs": 1}, 400, "echo", id="echo-not-bool"),
+    pytest.param({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens", id="min-tokens-negative"),
+    pytest.param({"prompt": "hi", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens", id="min-tokens-over-max"),
+    pytest.param({"prompt": "hi", "min_tokens": 1.5}, 400, "min_tokens", id="min-tokens-float"),
+    pytest.param({"prompt": "hi", "min_tokens": 10**6}, 400, "min_tokens", id="min-tokens-beyond-context"),
+    pytest.param({"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", id="ignore-eos-not-bool"),
 ]
 
 
@@ -63,6 +71,9 @@ async def test_bad_completion_is_a_4xx_json_error(tiny_node, client, body, statu
     pytest.param({"messages": [{"content": "hi"}]}, "messages", id="no-role"),
     pytest.param({"messages": [{"role": "user", "content": 7}]}, "messages", id="content-not-string"),
     pytest.param({"messages": ["hi"]}, "messages", id="message-not-object"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "min_tokens": 4},
+                 "min_tokens", id="min-tokens-over-max-completion-tokens"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo", id="echo-on-chat"),
 ])
 async def test_bad_chat_is_a_400_json_error(tiny_node, client, body, param):
     got, data = await post(client, tiny_node.url, body, path="/v1/chat/completions")

@@ -240,3 +240,36 @@ def test_a_wave_has_no_group_under_the_minimum_chunk():
     sizes = rows(_waves([(None, 0, 20) for _ in range(16)], 2))
     assert sum(sizes) == 320 and len(sizes) > 1 and min(sizes) >= MIN_WAVE_CHUNK
     assert rows(_waves([(None, 0, 20) for _ in range(16)], 1)) == [320]
+
+
+async def test_prompt_logprobs_survive_a_stage_lost_mid_prompt(parts):
+    """A prompt longer than a chunk, whose logprobs are asked for, goes over two stages as a
+    pipelined prefill, the head scoring each chunk behind the last stage; the stage is lost
+    when part of it is scored. The replay scores what is missing, and every prompt token's
+    logprob is one whole engine's log-softmax of the prompt."""
+    import torch
+
+    engine, n, _ = parts
+    prompt = [random.Random(5).randrange(3, 100) for _ in range(300)]
+    whole = engine(Span(0, n), True, True)
+    st = whole.stage
+    want = whole.run_sync(lambda: torch.log_softmax(st.head(st(st.embed(torch.tensor(prompt)), 0, st.new_caches())), -1))
+    head = engine(None, True, True)
+    pipeline = Pipeline(lambda: head, wait_s=10)
+    first = LocalRunner(engine(Span(0, SPLIT)))
+
+    def replan() -> None:
+        asyncio.get_running_loop().create_task(
+            pipeline.serve(2, plan(n, b="c"), {"a": first, "c": LocalRunner(engine(Span(SPLIT, n)))}))
+
+    lost = Failing(LocalRunner(engine(Span(SPLIT, n))), after=3, error=PeerLost("b: socket closed"), then=replan)
+    await pipeline.serve(1, plan(n), {"a": first, "b": lost})
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    s = Session("s1", list(prompt), len(prompt), params, sampler=Sampler(params), prompt_scores={})
+    token = (await pipeline.step([s], _pick))[s.id]
+    assert token == int(want[-1].argmax()) and lost.calls == 3 and pipeline.plan.term == 2
+    assert sorted(s.prompt_scores) == list(range(1, len(prompt)))
+    got = torch.tensor([s.prompt_scores[p].logprob for p in range(1, len(prompt))])
+    expect = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert float((got - expect).abs().max()) < 1e-4
+    assert [t for t, _ in s.prompt_scores[7].top] == want[6].topk(2).indices.tolist()

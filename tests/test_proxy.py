@@ -63,6 +63,16 @@ async def test_the_entry_peer_answers_what_the_supernode_answers(tiny_model_dir,
             assert token_ids(events) == direct["choices"][0]["token_ids"]
             assert len({e["id"] for e in events[:-1]}) == 1, "one completion, one id"
 
+            # the prompt's own logprobs (echo): the entry peer passes them on, whole and streamed
+            scored = greedy(max_tokens=3) | {"echo": True, "logprobs": 2}
+            _, direct = await post(http, sup.url, scored)
+            _, via = await post(http, entry.url, scored)
+            assert via["choices"][0]["logprobs"] == direct["choices"][0]["logprobs"]
+            assert via["choices"][0]["text"] == direct["choices"][0]["text"]
+            events = await stream(http, entry.url, scored)
+            lps = [v for e in events[:-1] for c in e["choices"] for v in c["logprobs"]["token_logprobs"]]
+            assert lps == direct["choices"][0]["logprobs"]["token_logprobs"]
+
             bad = greedy() | {"temperature": 5}
             assert await post(http, entry.url, bad) == await post(http, sup.url, bad)
 

@@ -14,7 +14,7 @@ import torch
 from meshd.control.timing import SAMPLE, STEP_TIMES
 from meshd.errors import ModelError, PeerLost
 from protocol.messages import Segment
-from shards.engine import StageEngine
+from shards.engine import Score, StageEngine
 
 Forwarded = Callable[[int, float], None]  # (rows, seconds) of one call through this peer's span
 
@@ -85,13 +85,14 @@ class LocalRunner:
 
     async def step(self, term: int, segments: list[Segment], tokens: list[int] | None = None,
                    hidden: torch.Tensor | None = None, rows: list[int] | None = None,
-                   fn: Callable[[torch.Tensor], object] | None = None):
+                   fn: Callable[[torch.Tensor], object] | None = None, score: Score | None = None):
         """``StageEngine.step`` through this span: embed ``tokens`` (or take ``hidden``), the
-        span, then the head on ``rows`` and ``fn`` of their logits where given."""
+        span, then the head on ``rows`` and ``fn`` of their logits where given (``score``'s
+        rows first)."""
         began = time.monotonic()
         with self._of_term(term):
             out, seconds = await self.engine.step([(g.session, g.start, g.rows) for g in segments], tokens, hidden,
-                                                  rows, fn)
+                                                  rows, fn, score)
         if self.forwarded is not None:
             self.forwarded(sum(g.rows for g in segments), seconds)
         if (times := STEP_TIMES.get()) is not None:

@@ -321,7 +321,8 @@ async def _choice_events(node: Daemon, req: CompletionRequest, index: int, sessi
     echo = req.prompt_texts[index // req.n] if req.echo and not req.resume else ""
     writer = ChoiceWriter(req, index, _token_text(tokenizer), echo=echo, resumed_text=resumed)
     async for chunk in node.metrics.observe(node.scheduler.stream(session, usage)):
-        choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+        choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                               chunk.prompt_logprobs)
         if choice is not None:
             yield choice
 

@@ -35,7 +35,7 @@ NO_TEMPLATE = ("this model has no chat template, so there is no telling how it e
 # What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
            "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
-           "meshd_resume", "meshd_priority"}
+           "meshd_resume", "meshd_priority", "min_tokens", "ignore_eos"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -422,7 +422,10 @@ def parse_request(
     if longest >= context:
         raise BadRequest(f"this model's context is {context} tokens; the {where} has {longest}",
                          param=where, code="context_length_exceeded")
-    max_tokens = _number(body, key, context - longest, 1, max(max_tokens_limit, context), integer=True)
+    echo = not chat and _flag(body, "echo")
+    # 0 with echo: the prompt alone (with its logprobs where asked), as OpenAI's legacy
+    # completions and vLLM answer it
+    max_tokens = _number(body, key, context - longest, 0 if echo else 1, max(max_tokens_limit, context), integer=True)
     if given and max_tokens > max_tokens_limit:
         raise BadRequest(f"{key} must be <= {max_tokens_limit}, got {max_tokens}", param=key)
     if longest + max_tokens > context:
@@ -439,10 +442,10 @@ def parse_request(
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("seed must be an integer", param="seed")
-    echo = not chat and _flag(body, "echo")
     logprobs = _logprobs(body, chat)
-    if echo and logprobs is not None:
-        raise BadRequest("echo with logprobs (the prompt's own logprobs) is not implemented by meshd", param="echo")
+    min_tokens = _number(body, "min_tokens", 0, 0, context, integer=True)
+    if min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({min_tokens}) must not exceed {key} ({max_tokens})", param="min_tokens")
     params = SamplingParams(
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
@@ -457,6 +460,10 @@ def parse_request(
         logit_bias=_logit_bias(body, tokenizer.vocab_size),
         logprobs=logprobs,
         grammar=grammar_text,
+        min_tokens=min_tokens,
+        ignore_eos=_flag(body, "ignore_eos"),
+        # a resubmission's client has its echo (and the prompt's logprobs) already
+        prompt_logprobs=logprobs if echo and not resume else None,
     )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
@@ -558,7 +565,8 @@ class ChoiceWriter:
         self.echo = echo
         self.offset = 0  # completions' text_offset
 
-    def choice(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None) -> dict | None:
+    def choice(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None,
+               prompt_logprobs=()) -> dict | None:
         calls: list[toolcalls.ToolCall] = []
         if self.parser is not None:
             text, calls = self.parser.push(text)
@@ -569,7 +577,9 @@ class ChoiceWriter:
             finish = "tool_calls"
         if self.echo:
             text, self.echo = self.echo + text, ""
-        lp = self._logprobs(logprobs) if self.req.params.logprobs is not None else None
+        lp = None
+        if self.req.params.logprobs is not None:
+            lp = self._logprobs(logprobs, self._prompt(prompt_logprobs) if self.first else None)
         if not (text or calls or token_ids or finish or self.first):
             return None
         if self.req.chat:
@@ -589,7 +599,15 @@ class ChoiceWriter:
         self.calls += len(calls)
         return out
 
-    def _logprobs(self, entries) -> dict:
+    def _prompt(self, scores) -> list | None:
+        """The echoed prompt's logprobs (completions): its first token has none, as OpenAI's
+        and vLLM's answers show it (null), then one entry per later token."""
+        if self.req.params.prompt_logprobs is None:
+            return None
+        first = self.req.prompts[self.index // self.req.n][0]
+        return [(first, None, None)] + [(e.token, e.logprob, e.top) for e in scores]
+
+    def _logprobs(self, entries, prompt: list | None = None) -> dict:
         if self.req.chat:
             content = []
             for e in entries:
@@ -601,11 +619,12 @@ class ChoiceWriter:
                 content.append({"token": tok, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
             return {"content": content, "refusal": None}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
-            tok, _ = self.token_text(e.token)
+        rows = list(prompt or ()) + [(e.token, e.logprob, e.top) for e in entries]
+        for token, logprob, top in rows:
+            tok, _ = self.token_text(token)
             out["tokens"].append(tok)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({self.token_text(t)[0]: v for t, v in e.top})
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(None if top is None else {self.token_text(t)[0]: v for t, v in top})
             out["text_offset"].append(self.offset)
             self.offset += len(tok)
         return out

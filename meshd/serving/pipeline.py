@@ -26,6 +26,8 @@ from meshd.control.runner import LocalRunner, StageRunner
 from meshd.control.timing import SAMPLE, STEP_TIMES, StepTimes, Totals
 from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
+from shards.engine import Score
+from shards.sampling import prompt_scores
 
 log = structlog.get_logger()
 
@@ -230,6 +232,10 @@ class Pipeline:
                     await left[i - 1][j].wait()
                 hidden = await runner.forward_batch(plan.term, [Segment(s.kv, a, b - a)], hidden)
                 left[i][j].set()
+            if (score := _score([(s, a, b - a)])) is not None:  # its prompt logprobs, asked for
+                began = time.monotonic()
+                await engine.head_then(hidden, [], lambda lg: None, score)
+                self._sampled(began)
 
         await _together(chunk(i, a, b) for i, (a, b) in enumerate(chunks))
         log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
@@ -260,10 +266,11 @@ class Pipeline:
         if len(groups) == 1:
             done = finishing(work)
             picked = await self._run(plan, work, engine, [row for _, row in done],
-                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)])
+                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)], _score(work))
             return {s.id: token for (s, _), token in zip(done, picked)}
         dones = [finishing(group) for group in groups]
-        logits = await _together(self._run(plan, group, engine, [row for _, row in done], lambda lg: lg)
+        logits = await _together(self._run(plan, group, engine, [row for _, row in done], lambda lg: lg,
+                                           _score(group))
                                  for group, done in zip(groups, dones))
         finished = [(s, lg) for done, rows in zip(dones, logits) if done for (s, _), lg in zip(done, rows)]
         began = time.monotonic()
@@ -272,10 +279,10 @@ class Pipeline:
         return {s.id: token for (s, _), token in zip(finished, picked)}
 
     async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
-                   pick_rows: Callable[[torch.Tensor], list[int]]) -> list[int]:
+                   pick_rows: Callable[[torch.Tensor], list[int]], score: Score | None = None) -> list[int]:
         """The rows of ``work`` embedded and through every span in order, then the head on
         ``rows`` of the last span's output and ``pick_rows`` of their logits (none where
-        ``rows`` is empty). Where the first or last span is the supernode's own, the embed
+        ``rows`` is empty), and on ``score``'s rows (prompt logprobs) before them. Where the first or last span is the supernode's own, the embed
         or the head goes in the same engine call as that span (``LocalRunner.step``)."""
         tokens = [t for s, start, n in work for t in s.tokens[start:start + n]]
         segments = [Segment(s.kv, start, n) for s, start, n in work]
@@ -287,12 +294,14 @@ class Pipeline:
         hidden = None
         for i, runner in enumerate(runners):
             local = isinstance(runner, LocalRunner) and runner.chains(engine)
-            embeds, heads = local and i == 0, local and i == len(runners) - 1 and bool(rows)
+            embeds = local and i == 0
+            heads = local and i == len(runners) - 1 and bool(rows or score)
             if i == 0 and not embeds:
                 hidden = await self._embed(engine, tokens)
             if embeds or heads:
                 out = await runner.step(plan.term, segments, tokens if embeds else None, None if embeds else hidden,
-                                        rows if heads else None, pick_rows if heads else None)
+                                        rows if heads else None, pick_rows if heads else None,
+                                        score if heads else None)
                 if heads:
                     return out  # the head ran in that same call: a later change of plan cannot undo it
                 hidden = out
@@ -300,10 +309,10 @@ class Pipeline:
                 hidden = await runner.forward_batch(plan.term, segments, hidden)
         if self._head_engine() is not engine:
             raise PeerLost("the head changed during the step (the plan moved)")
-        if not rows:
+        if not rows and score is None:
             return []
         began = time.monotonic()
-        out = await engine.head_then(hidden, rows, pick_rows)
+        out = await engine.head_then(hidden, rows, pick_rows, score)
         self._sampled(began)
         return out
 
@@ -333,6 +342,30 @@ class Pipeline:
                     await runner.drop(plan.term, key)
                 except PeerLost:
                     break  # its caches went with it
+
+
+def _score(work: list) -> Score | None:
+    """The head's work for the prompt logprobs of the sessions of ``work`` (session, start,
+    rows) that ask for them: each of their prompt rows not scored yet (a replay skips what
+    an earlier pass scored) gives the log-probability of the prompt token after it."""
+    items, at = [], 0  # (session, row in the step, position of the token it scores)
+    for s, start, rows in work:
+        scores = getattr(s, "prompt_scores", None)
+        if scores is not None:
+            items += [(s, at + p - start, p + 1) for p in range(start, min(start + rows, s.prompt_len - 1))
+                      if p + 1 not in scores]
+        at += rows
+    if not items:
+        return None
+
+    def fn(i: int, logits: torch.Tensor) -> None:  # on the engine's thread
+        part = items[i:i + logits.shape[0]]
+        found = prompt_scores(logits, [s.tokens[pos] for s, _, pos in part],
+                              [s.params.prompt_logprobs or 0 for s, _, _ in part])
+        for (s, _, pos), entry in zip(part, found):
+            s.prompt_scores[pos] = entry
+
+    return Score([row for _, row, _ in items], fn)
 
 
 def _waves(work: list, stages: int) -> list[list]:

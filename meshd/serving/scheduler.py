@@ -94,6 +94,9 @@ class Session:
     # session whose cached prefix it took over.
     kv: str = ""
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by position in ``generated``
+    # The prompt's own logprobs, by position in ``tokens`` (1 .. prompt_len - 1), filled by
+    # the pipeline's head as the prompt's rows pass; None where not asked for.
+    prompt_scores: dict[int, TokenLogprobs] | None = None
     streamed: bool = False
     trace: object = None  # its request's timeline (serving/traces.py), on a request's first choice
 
@@ -113,6 +116,8 @@ class Chunk:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
+    # The first chunk's, when asked for: the prompt's tokens after the first, scored
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(slots=True)
@@ -225,7 +230,10 @@ class Scheduler:
                     s.trace.stepped(times, token is not None)
                 if token is None or s.finished:
                     continue
-                if token in s.eos:
+                if s.params.max_tokens == 0:  # only the prompt's logprobs were asked for: they are in
+                    self._finish(s, None)
+                    continue
+                if token in s.eos and not s.params.ignore_eos:
                     self._finish(s, None)
                     continue
                 s.tokens.append(token)
@@ -254,7 +262,8 @@ class Scheduler:
         plan = self.pipeline.plan
         if plan is not None and self.prefix.enabled:
             self._drop_later(self.prefix.stale(plan.term))
-            hit = self.prefix.find(session.tokens, plan.term)
+            if session.prompt_scores is None:  # a cached prefix's rows would go unscored
+                hit = self.prefix.find(session.tokens, plan.term)
         if budget is not None:
             if self.reserved_tokens + need > budget:  # even with the prefix cache emptied
                 raise NoCapacity(
@@ -398,7 +407,8 @@ class Scheduler:
                           priority=priority,
                           # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
                           client=client if priority is Priority.INTERACTIVE else None,
-                          request=request if request is not None else object(), trace=trace)
+                          request=request if request is not None else object(), trace=trace,
+                          prompt_scores={} if params.prompt_logprobs is not None else None)
         self._admit(session)
         return session
 
@@ -459,8 +469,9 @@ class Scheduler:
         # finish stays None to the end when the answer is cut (an error, a shutdown, a client gone)
         pending, pending_ids, pending_lp, finish = "", [], [], None
         delivered = len(session.generated)
+        scores = session.prompt_scores
         try:
-            if len(session.generated) >= params.max_tokens:
+            if len(session.generated) >= params.max_tokens and scores is None:
                 self._finish(session, None)
             while True:
                 item = await session.out.get()
@@ -478,18 +489,20 @@ class Scheduler:
                 delivered += 1
                 pending_ids.append(item)
                 pending += decoder.push(item)
-                cut = find_stop(pending, params.stop)
+                # stop strings count from the min_tokens-th token on (vLLM's rule)
+                stops = params.stop if delivered >= params.min_tokens else ()
+                cut = find_stop(pending, stops)
                 if cut is not None:
                     pending, finish = pending[:cut], "stop"
                     break
-                hold = stop_holdback(pending, params.stop)
+                hold = stop_holdback(pending, stops)
                 ready, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
                 if ready or pending_ids:
-                    yield Chunk(ready, tuple(pending_ids), None, tuple(pending_lp))
+                    yield Chunk(ready, tuple(pending_ids), None, tuple(pending_lp), _prompt_scores(session))
                     pending_ids, pending_lp = [], []
             if finish == "length":
                 pending += decoder.flush()
-            yield Chunk(pending, tuple(pending_ids), finish, tuple(pending_lp))
+            yield Chunk(pending, tuple(pending_ids), finish, tuple(pending_lp), _prompt_scores(session))
         finally:
             self._finish(session, None)
             self._forget(session)
@@ -500,6 +513,15 @@ class Scheduler:
             log.info("session_finished", tokens=delivered, finish=finish or "cut",
                      seconds=round(time.monotonic() - t0, 3))
             structlog.contextvars.unbind_contextvars("session")
+
+
+def _prompt_scores(session: Session) -> tuple[TokenLogprobs, ...]:
+    """The prompt's logprobs, once (for the first chunk): the pipeline scored every prompt
+    row before the step that gave the first token (or, for max_tokens 0, ended it)."""
+    scores, session.prompt_scores = session.prompt_scores, None
+    if not scores:
+        return ()
+    return tuple(scores[p] for p in range(1, session.prompt_len))
 
 
 def _pick(session: Session, logits: torch.Tensor) -> int:
