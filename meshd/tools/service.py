@@ -109,6 +109,7 @@ device = "auto"               # auto, cpu, cuda, mps
 dtype = "auto"
 # peer = ["10.0.0.2:8470"]    # static peers where multicast does not pass
 # mdns_interface = ["10.0.0.1"]
+# allowed_hosts = ["meshd.example.org"]  # Host names control/Batch API calls may give besides this box's own
 # The unit hands /etc/meshd/secret to the daemon itself (--secret-file); copy
 # that file to every peer of the mesh.
 drain_timeout_s = {drain:g}     # keep TimeoutStopSec in meshd.service above {drain_waits}x this
