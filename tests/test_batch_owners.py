@@ -18,7 +18,6 @@ import json
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -26,6 +25,7 @@ import pytest
 
 from meshd.serving.batchstore import DB_NAME
 from tests.fixtures.daemon import running_daemon
+from tests.honest import Honest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,35 +111,10 @@ for _ in range(rounds):
 """
 
 
-class Honest:
-    """The first key's client: /healthz and a short completion, over and over, in a thread."""
-
-    def __init__(self, url: str, key: str | None):
-        self.url, self.key, self.worst, self.failures, self.served = url, key, 0.0, [], 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for method, path, body in (("GET", "/healthz", None), ("POST", EP, {"prompt": "Hi", "max_tokens": 2})):
-                t0 = time.monotonic()
-                try:
-                    status, data = call(self.url, method, path, body, key=self.key)
-                except OSError as exc:
-                    status, data = 0, str(exc)
-                self.worst = max(self.worst, time.monotonic() - t0)
-                if status == 200:
-                    self.served += 1
-                else:
-                    self.failures.append((path, status, data))
-
-    def __enter__(self) -> Honest:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(60)
+def honest_client(url: str, key: str | None) -> Honest:
+    """The first key's client: /healthz and a short completion, over and over."""
+    return Honest(lambda path, body: call(url, "GET" if body is None else "POST", path, body, key=key),
+                  (("/healthz", None), (EP, {"prompt": "Hi", "max_tokens": 2})))
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +132,7 @@ def test_a_second_key_cannot_see_read_delete_or_cancel_the_first_keys_batch(keye
     f, b = run_batch(keyed.url, KEY_A)
     oid = b["output_file_id"]
     want_content = call(keyed.url, "GET", f"/v1/files/{oid}/content", key=KEY_A)[1]
-    with Honest(keyed.url, KEY_A) as honest:
+    with honest_client(keyed.url, KEY_A) as honest:
         out = subprocess.run([sys.executable, "-c", ATTACKER, keyed.url, KEY_B, str(ROUNDS), f["id"], oid, b["id"]],
                              capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
@@ -237,7 +212,7 @@ def test_a_store_from_before_owners_loads_and_addresses_keep_their_batches_apart
             assert call(served.url, "GET", "/v1/files/file-old/content", source=source)[1] == batch_input(1, "old")
         # New ones belong to the address that made them.
         f1, b1 = run_batch(served.url, source="127.0.0.1", tag="one")
-        with Honest(served.url, None) as honest:
+        with honest_client(served.url, None) as honest:
             for _ in range(ROUNDS):
                 for method, path in (("GET", f"/v1/batches/{b1['id']}"), ("GET", f"/v1/files/{f1['id']}/content"),
                                      ("GET", f"/v1/files/{b1['output_file_id']}/content"),

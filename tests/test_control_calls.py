@@ -17,13 +17,13 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
+from tests.honest import Honest
 from tests.test_api_security import DELAY, GiB, Proc, bearer, kill, request, spawn, wait_mesh
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,36 +79,10 @@ def split(tiny_model_dir, tmp_path_factory):
         kill(procs)
 
 
-class Honest:
-    """A client of beta's that asks /healthz and a short completion over and over, in a
-    thread, and keeps the slowest answer and any failure."""
-
-    def __init__(self, url: str):
-        self.url, self.worst, self.failures, self.served = url, 0.0, [], 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for path, body in (("/healthz", None), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})):
-                t0 = time.monotonic()
-                try:
-                    status, data = request(self.url + path, body, timeout=30)
-                except OSError as exc:
-                    status, data = 0, {"error": str(exc)}
-                self.worst = max(self.worst, time.monotonic() - t0)
-                if status != 200:
-                    self.failures.append((path, status, data))
-                else:
-                    self.served += 1
-
-    def __enter__(self) -> Honest:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(60)
+def honest_client(url: str) -> Honest:
+    """A client of beta's that asks /healthz and a short completion over and over."""
+    return Honest(lambda path, body: request(url + path, body, timeout=30),
+                  (("/healthz", None), ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})))
 
 
 def _host_port(p: Proc) -> tuple[str, int]:
@@ -142,7 +116,7 @@ def test_a_rebinding_host_is_refused_on_every_peer(split):
     attacker's Host. Every one is a 403 naming Host, on the supernode and on the member,
     while beta serves an honest client; nothing is drained."""
     victim = split.view["plan"][-1]["node"]
-    with Honest(split.beta.url) as honest:
+    with honest_client(split.beta.url) as honest:
         for p in (split.alpha, split.beta):
             host, port = _host_port(p)
             out = subprocess.run([sys.executable, "-c", ATTACKER, host, str(port), EVIL, str(ROUNDS), victim],
@@ -199,7 +173,7 @@ def test_a_drain_through_a_keyless_member_needs_the_supernodes_control_key(split
     one, 403 with a wrong or second key; with the key it gets in (here: no such node).
     An honest client is served throughout; the plan never changes."""
     victim = split.view["plan"][-1]["node"]
-    with Honest(split.beta.url) as honest:
+    with honest_client(split.beta.url) as honest:
         for _ in range(ROUNDS):
             status, data = request(split.beta.url + "/v1/mesh/drain", {"node": victim})
             assert status == 401, (status, data)

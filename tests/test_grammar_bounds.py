@@ -16,13 +16,12 @@ import json
 import re
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from shards import grammar
 from tests.fixtures.daemon import running_daemon, status_json
+from tests.honest import Honest
 from tests.meshlab import http_json
 
 pytestmark = pytest.mark.timeout(600)
@@ -76,38 +75,12 @@ for _ in range(rounds):
 """
 
 
-class Honest:
-    """A client with an ordinary schema: /healthz and a short constrained chat, in a thread."""
-
-    BODY = schema_body({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+def honest_client(url: str) -> Honest:
+    """A client with an ordinary schema: /healthz and a short constrained chat, over and over."""
+    body = schema_body({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
                        max_tokens=12)
-
-    def __init__(self, url: str):
-        self.url, self.worst, self.failures, self.served = url, 0.0, [], 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for path, body in (("/healthz", None), (CHAT, self.BODY)):
-                t0 = time.monotonic()
-                try:
-                    status, data = http_json(self.url + path, body, timeout=60)
-                except OSError as exc:
-                    status, data = 0, str(exc)
-                self.worst = max(self.worst, time.monotonic() - t0)
-                if status == 200:
-                    self.served += 1
-                else:
-                    self.failures.append((path, status, data))
-
-    def __enter__(self) -> Honest:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(120)
+    return Honest(lambda path, b: http_json(url + path, b, timeout=60), (("/healthz", None), (CHAT, body)),
+                  join_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +93,7 @@ def daemon(real_model_dir, tmp_path_factory):
 def test_grammar_attacks_are_refused_or_served_while_an_honest_client_is_served(daemon):
     before = status_json(daemon.url)
     bodies = [(name, body) for name, body, *_ in REFUSED] + [(name, body) for name, body, _ in SERVED + [LEXER_LIMIT]]
-    with Honest(daemon.url) as honest:
+    with honest_client(daemon.url) as honest:
         out = subprocess.run([sys.executable, "-c", ATTACKER, daemon.url + CHAT, str(ROUNDS)],
                              input=json.dumps(bodies), capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
