@@ -23,13 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from locate import add_model_flag, need_model  # noqa: E402
+from locate import add_model_flag, need_model, one_node_daemon  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -175,12 +170,6 @@ def weight_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def one_stream(http, url: str, prompt: str, tokens: int, eos: int) -> list[float]:
     """Arrival times of each streamed token."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
@@ -209,35 +198,8 @@ async def streams_figures(url: str, n: int, tokens: int, eos: int) -> dict:
 
 
 def daemon_figures(model_dir: Path, device: str, dtype: str, streams: list[int], tokens: int, work: Path) -> list[dict]:
-    port = free_port()
-    log = open(work / "daemon.log", "wb")
-    cmd = [sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(work / "state"), "--model", str(model_dir), "--name", "bench", "--device", device,
-           "--dtype", dtype]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import urllib.request
-
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"meshd run did not serve; see {work / 'daemon.log'}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(url + "/healthz", timeout=2).status == 200:
-                    break
-            time.sleep(0.5)
+    with one_node_daemon(model_dir, work, "--device", device, "--dtype", dtype) as url:
         return [asyncio.run(streams_figures(url, n, tokens, eos=0)) for n in streams]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def main() -> int:

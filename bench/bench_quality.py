@@ -28,10 +28,8 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from locate import ROOT, SMOLLM2_GGUF, add_llama_cpp_flags, add_model_flag, gguf_file, llama_cpp, need_model
+from locate import (ROOT, SMOLLM2_GGUF, add_llama_cpp_flags, add_model_flag, gguf_file, llama_cpp, need_model,
+                    one_node_daemon)
 
 TEXT = ROOT / "bench" / "data" / "shakespeare-coriolanus.txt"
 
@@ -132,39 +131,6 @@ def llama_perplexity(folder: Path, gguf: Path, ctx: int, n_chunks: int, threads:
     return {"ppl": float(found.group(1)), "seconds": time.perf_counter() - began}
 
 
-@contextlib.contextmanager
-def daemon(model_dir: Path, work: Path, dtype: str):
-    """A one-node ``meshd run`` on a free loopback port, until the block ends."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(work / "daemon.log", "wb")
-    cmd = [sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1", "--port", str(port),
-           "--state-dir", str(work / "state"), "--model", str(model_dir), "--name", "bench", "--dtype", dtype]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"meshd run did not serve; see {work / 'daemon.log'}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(url + "/healthz", timeout=2).status == 200:
-                    break
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running mesh's API (default: start a one-node daemon on --model)")
@@ -187,8 +153,8 @@ def main() -> int:
         url = args.url
         if url is None:
             model = need_model(args.model)
-            url = stack.enter_context(daemon(model, Path(stack.enter_context(tempfile.TemporaryDirectory())),
-                                             args.dtype))
+            url = stack.enter_context(one_node_daemon(model, Path(stack.enter_context(tempfile.TemporaryDirectory())),
+                                                     "--dtype", args.dtype))
             figures["model"] = str(model)
         chunks, total = chunks_of(url, text, args.ctx, args.chunks)
         figures |= {"text_tokens": total, "chunks": len(chunks)}

@@ -18,10 +18,16 @@ goes on with the rest. Imports nothing heavy, so a bench's ``--help`` stays quic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +131,38 @@ def add_model_flag(ap: argparse.ArgumentParser, name: str = DEFAULT_MODEL, what:
     ap.add_argument("--model", type=Path, default=model_dir(name),
                     help=f"{what}'s directory (default: %(default)s, where `make test` or "
                          f"`meshd model fetch {name}` put it)")
+
+
+@contextlib.contextmanager
+def one_node_daemon(model_dir: Path, work: Path, *flags: str) -> Iterator[str]:
+    """A one-node ``meshd run`` of ``model_dir`` on a free loopback port (its state and log
+    under ``work``, ``flags`` added), yielding its URL once it serves; stopped (SIGTERM,
+    then SIGKILL after 30 s) when the block ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(work / "daemon.log", "wb")
+    cmd = [sys.executable, "-m", "meshd.tools.cli", "run", "--no-mdns", "--host", "127.0.0.1", "--port", str(port),
+           "--state-dir", str(work / "state"), "--model", str(model_dir), "--name", "bench", *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"meshd run did not serve; see {work / 'daemon.log'}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(url + "/healthz", timeout=2).status == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
