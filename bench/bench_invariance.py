@@ -23,7 +23,7 @@ PROMPTS = [[(i * 131 + 7 * p) % 40000 + 100 for i in range(12 + 5 * p)] for p in
 REPLAY_TOKENS = 32
 
 
-def _divergent_restarts(stage, torch) -> tuple[int, int]:
+def _divergent_restarts(stage) -> tuple[int, int]:
     from shards.engine import generate_greedy
 
     restarts = diverged = 0
@@ -66,7 +66,7 @@ def main() -> None:
     rows = {}
     for n, r in runners.items():
         b = best[n]
-        restarts, diverged = _divergent_restarts(r.stage, torch)
+        restarts, diverged = _divergent_restarts(r.stage)
         rows[n] = {"prefill_tok_s": PROMPT_TOKENS / b["prefill"], "decode_tok_s": DECODE_TOKENS / b["decode"],
                    "streams_tok_s": STREAMS * STREAM_STEPS / b["streams"], "restarts": restarts,
                    "diverged": diverged}
