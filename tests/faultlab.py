@@ -215,6 +215,11 @@ class Clients:
         with self._lock:
             return list(self.outcomes)
 
+    def count(self, kind: str) -> int:
+        """How many answers so far were of ``kind`` (e.g. "exact")."""
+        with self._lock:
+            return sum(o.kind == kind for o in self.outcomes)
+
     def swap_url(self, old: str, new: str) -> None:
         """A restarted daemon keeps its address; a client that lost one may move."""
         for urls in self.urls:

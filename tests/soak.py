@@ -150,9 +150,12 @@ class Soak:
         return fault
 
     def run(self, duration_s: float, gap_s: tuple[float, float], clients: int, seed: int = 16,
-            rotation: list[tuple[str, str]] | None = None) -> SoakResult:
+            rotation: list[tuple[str, str]] | None = None, min_faults: int = 0, min_exact: int = 0,
+            max_s: float | None = None) -> SoakResult:
         """Faults from ``rotation`` ((kind, role) pairs, cycled; default: every kind on
-        each role) until ``duration_s``, a random gap between; then the mesh converges."""
+        each role) until ``duration_s``, a random gap between, and on (up to ``max_s``) until
+        ``min_faults`` faults landed and ``min_exact`` answers were exact: a busy machine
+        runs the same soak slower, not a smaller one. Then the mesh converges."""
         rng = random.Random(seed)
         urls = [d.url for d in self.daemons]
         client = Clients([[urls[(i + j) % len(urls)] for j in range(len(urls))] for i in range(clients)],
@@ -170,10 +173,17 @@ class Soak:
         sampler = threading.Thread(target=sample_rss, daemon=True, name="meshd-soak-rss")
         sampler.start()
         faults = itertools.cycle(rotation or [(k, r) for k in FAULTS for r in ("stage", "supernode")])
+        cap = max(duration_s, max_s or duration_s)
+
+        def more() -> bool:
+            elapsed = time.monotonic() - t_start
+            short = len(result.faults) < min_faults or client.count("exact") < min_exact
+            return elapsed < duration_s or (short and elapsed < cap)
+
         try:
-            while time.monotonic() - t_start < duration_s:
+            while more():
                 time.sleep(rng.uniform(*gap_s))
-                if time.monotonic() - t_start >= duration_s:
+                if not more():
                     break
                 kind, role = next(faults)
                 if (fault := self._inject(kind, role)) is not None:
