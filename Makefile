@@ -36,8 +36,10 @@ gemma: bootstrap
 run: model
 	$(BIN)/meshd demo --peers 3 --state-dir "$(STATE)"
 
+# One torch thread per process: six workers and their daemons share two cores, and libgomp's
+# spinning threads in each would take turns burning them (tests that need a count say so).
 test: model gemma
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=5 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=5 $(PYTEST_ARGS)
 
 # Re-measure how long each test group takes (the order workers take them in).
 durations: model gemma
