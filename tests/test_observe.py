@@ -144,6 +144,7 @@ async def test_live_at_the_entry_peer_is_the_supernodes(pair):
 
 async def test_metrics_show_the_pipeline_per_peer(pair):
     sup, entry = pair
+    await stream(entry.url, "Metrics per peer", 4, {})  # its own traffic: a worker may run this test first
     async with aiohttp.ClientSession() as http:
         async with http.get(sup.url + "/metrics") as resp:
             text = await resp.text()

@@ -64,18 +64,18 @@ class Counting:
         await self.inner.drop(term, session)
 
 
-@pytest.fixture
-async def mesh(tiny_model_dir):
-    """(make, tokenizer): ``make(entries)`` builds a scheduler over two stages and returns
-    it with its two stage runners."""
-    n = Manifest.load(tiny_model_dir).n_layers
+@contextlib.asynccontextmanager
+async def two_stage_mesh(model_dir):
+    """(make, tokenizer): ``make(entries)`` builds a scheduler over two stages of
+    ``model_dir`` and returns it with its two stage runners."""
+    n = Manifest.load(model_dir).n_layers
     engines, tasks = [], []
 
     def load(span, embed=False, head=False) -> StageEngine:
-        engines.append(StageEngine.load(tiny_model_dir, span, embed, head, "cpu", "float32"))
+        engines.append(StageEngine.load(model_dir, span, embed, head, "cpu", "float32"))
         return engines[-1]
 
-    tokenizer = MeshTokenizer.load(tiny_model_dir)
+    tokenizer = MeshTokenizer.load(model_dir)
 
     async def make(entries: int = 32) -> tuple[Scheduler, Counting, Counting]:
         head = await asyncio.to_thread(load, None, True, True)
@@ -88,13 +88,21 @@ async def mesh(tiny_model_dir):
         tasks.append(asyncio.get_running_loop().create_task(sched.run()))
         return sched, a, b
 
-    yield make
-    for t in tasks:
-        t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
-    for e in engines:
-        e.close()
+    try:
+        yield make
+    finally:
+        for t in tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for e in engines:
+            e.close()
+
+
+@pytest.fixture
+async def mesh(tiny_model_dir):
+    async with two_stage_mesh(tiny_model_dir) as make:
+        yield make
 
 
 async def generate(sched: Scheduler, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
@@ -133,6 +141,26 @@ async def test_turn_two_takes_over_turn_ones_caches_and_answers_the_same(mesh):
     # A prompt sharing less than MIN_REUSE tokens takes nothing over.
     await generate(sched, TURN1[: MIN_REUSE - 1] + [1, 2, 3])
     assert sched.prefix.stats()["hits"] == 1 and sched.prefix.stats()["entries"] == 2
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(300)
+async def test_on_the_quantized_default_a_cached_prefix_gives_the_tokens_it_would_without(real_model_dir):
+    """Issue 34: SmolLM2 Q4_1 kept quantized (the block kernel). Turn 2 that takes over turn
+    1's caches computes its new rows in a chunk of another length than a prefill of the
+    whole conversation would: the same tokens all the same, turn after turn."""
+    async with two_stage_mesh(real_model_dir) as make:
+        plain, _, _ = await make(entries=0)
+        cached, _, _ = await make()
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        tok = MeshTokenizer.load(real_model_dir)
+        convo = tok.encode("Write a short poem about a lighthouse keeper and the sea.")
+        for turn in range(3):
+            want = await generate(plain, convo, params)
+            got = await generate(cached, convo, params)
+            assert got == want, f"turn {turn + 1}: the cached prefix changed the tokens"
+            convo = convo + want + tok.encode(" And then?")
+        assert cached.prefix.stats()["hits"] == 2 and plain.prefix.stats()["hits"] == 0
 
 
 async def test_a_stage_lost_while_a_cached_prefix_is_in_use_replays_to_the_same_tokens(mesh, tiny_model_dir):
