@@ -62,7 +62,7 @@ def gemma_fp32_dir(gemma_dir, gemma_gguf) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # a module fixture was made again each time the worker came back to the module
 def compared(gemma_dir, gemma_fp32_dir, gemma_gguf, device) -> dict:
     """tests/gemma_reference.py's findings: meshd and transformers on the same file, and
     the quantization kept against the float32 expansion."""
