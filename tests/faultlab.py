@@ -132,6 +132,12 @@ class Stream:
         assert after, f"no token arrived after the fault ({len(self.tokens)} in all)"
         return after[0] - t
 
+    def longest_silence(self, since: float) -> float:
+        """The longest wait from ``since`` on: to the first token after it, or between two
+        tokens after it (0.0 when none came)."""
+        after = [since] + [x for x in self.times if x > since]
+        return max((b - a for a, b in zip(after, after[1:])), default=0.0)
+
     def intervals(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
@@ -243,7 +249,7 @@ class Clients:
         s = Stream(url, self.prompt, len(self.want), dict(self.extra), timeout=STREAM_TIMEOUT_S).start()
         s._thread.join(STREAM_TIMEOUT_S + 5)
         end = time.monotonic()
-        pause = max([b - a for a, b in zip([s.t_sent] + s.times, s.times)], default=0.0)  # the first token too
+        pause = s.longest_silence(s.t_sent)  # the first token too
         if s.errors:
             return Outcome("error:" + _error_kind(s.errors[-1]["error"]), url, True, t0, end,
                            detail=str(s.errors[-1])[:300])

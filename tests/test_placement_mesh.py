@@ -15,6 +15,7 @@ import time
 import pytest
 
 from meshd.control.placement import HEAD_SHARE, REBALANCE_MARGIN
+from shards.manifest import Manifest
 from tests.meshlab import complete, greedy_reference
 
 
@@ -41,20 +42,19 @@ def test_two_peers_split_the_real_model_on_measured_stage_times(meshlab, real_mo
         hop = next(p["rtt_floor_ms"] or 0.0 for p in status["peers"] if p["id"] == other)
         mine = head + plan[sup.node_id] * timing[sup.node_id]["layer_ms_batch"]
         theirs = hop + plan[other] * timing[other]["layer_ms_batch"]
-        return plan, timing, other, hop, mine, theirs
+        return plan, timing, other, hop, head, mine, theirs
 
     # Balanced as the supernode promises it (placement.REBALANCE_MARGIN): the slower stage is
     # within the margin of the best split a brute force finds on the same timings, give or take
     # a layer and the hop (the plan was weighed on the round trips of its moment, which a loaded
     # box moves). The first plan may be weighed on the other peer's probe before its Accept
     # brings its real timings: the supernode then re-plans once, within seconds.
-    n_layers = 30
+    n_layers = Manifest.load(real_model_dir).n_layers
     deadline = time.monotonic() + 60
     while True:
-        plan, timing, other, hop, mine, theirs = weighed()
+        plan, timing, other, hop, head, mine, theirs = weighed()
         assert sum(plan.values()) == n_layers, plan
         one_layer = max(t["layer_ms_batch"] for t in timing.values())
-        head = HEAD_SHARE * timing[sup.node_id]["head_ms_batch"]
         best = min(max(head + k * timing[sup.node_id]["layer_ms_batch"],
                        hop + (n_layers - k) * timing[other]["layer_ms_batch"]) for k in range(1, n_layers))
         slack = best * REBALANCE_MARGIN + one_layer + hop + 1e-6

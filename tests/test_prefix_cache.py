@@ -66,8 +66,8 @@ class Counting:
 
 @contextlib.asynccontextmanager
 async def two_stage_mesh(model_dir):
-    """(make, tokenizer): ``make(entries)`` builds a scheduler over two stages of
-    ``model_dir`` and returns it with its two stage runners."""
+    """``make(entries)``: builds a scheduler over two stages of ``model_dir`` and returns it
+    with its two stage runners (every engine closed on exit)."""
     n = Manifest.load(model_dir).n_layers
     engines, tasks = [], []
 
@@ -153,7 +153,7 @@ async def test_on_the_quantized_default_a_cached_prefix_gives_the_tokens_it_woul
         plain, _, _ = await make(entries=0)
         cached, _, _ = await make()
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        tok = MeshTokenizer.load(real_model_dir)
+        tok = cached.tokenizer
         convo = tok.encode("Write a short poem about a lighthouse keeper and the sea.")
         for turn in range(3):
             want = await generate(plain, convo, params)
