@@ -9,6 +9,13 @@ import time
 from collections.abc import Callable, Sequence
 
 
+# A liveness bound, not a speed figure: the attacks these tests replay held a peer for a
+# minute or more (a 1e9-item schema, an 8 s mask step per token, a drain that never
+# returned); an honest short request on a loaded two-core box in the full suite has taken
+# 5.2 s. Twenty seconds tells the two apart without measuring the machine.
+LIVE_S = 20.0
+
+
 class Honest:
     """``send(path, body)`` -> (status, data), raising OSError when the peer does not answer;
     ``requests``: the (path, body) pairs sent in turn (body None: a GET)."""
@@ -33,6 +40,11 @@ class Honest:
                     self.served += 1
                 else:
                     self.failures.append((path, status, data))
+
+    def assert_live(self) -> None:
+        """Every honest request was answered, at least one was served, none waited LIVE_S."""
+        assert not self.failures, self.failures[:3]
+        assert self.served > 0 and self.worst < LIVE_S, (self.served, self.worst)
 
     def __enter__(self) -> Honest:
         self._thread.start()

@@ -31,7 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 
 KEY_A, KEY_B = "sk-owner-a-" + uuid.uuid4().hex, "sk-owner-b-" + uuid.uuid4().hex
 ROUNDS = 10
-LIVE_S = 5.0  # a liveness bound for the honest client, not a speed figure
 EP = "/v1/completions"
 
 
@@ -147,8 +146,7 @@ def test_a_second_key_cannot_see_read_delete_or_cancel_the_first_keys_batch(keye
             assert a["status"] == 404, a
             err = a["body"]["error"]
             assert err["type"] == "invalid_request_error" and err["code"] == "not_found" and err["message"], a
-    assert not honest.failures, honest.failures[:3]
-    assert honest.served > 0 and honest.worst < LIVE_S, (honest.served, honest.worst)
+    honest.assert_live()
     # The first key still has everything, whole.
     assert call(keyed.url, "GET", f"/v1/files/{f['id']}/content", key=KEY_A)[1] == batch_input(3, "a")
     assert call(keyed.url, "GET", f"/v1/files/{oid}/content", key=KEY_A)[1] == want_content
@@ -222,8 +220,7 @@ def test_a_store_from_before_owners_loads_and_addresses_keep_their_batches_apart
                     assert status == 404 and data["error"]["code"] == "not_found", (path, status, data)
                 listed = call(served.url, "GET", "/v1/batches", source="127.0.0.2")[1]["data"]
                 assert [x["id"] for x in listed] == ["batch_old"], listed
-        assert not honest.failures, honest.failures[:3]
-        assert honest.served > 0 and honest.worst < LIVE_S, (honest.served, honest.worst)
+        honest.assert_live()
         listed = call(served.url, "GET", "/v1/batches", source="127.0.0.1")[1]["data"]
         assert [x["id"] for x in listed] == [b1["id"], "batch_old"], listed
         assert call(served.url, "GET", f"/v1/files/{f1['id']}/content", source="127.0.0.1")[1] == batch_input(3, "one")

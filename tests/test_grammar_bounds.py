@@ -27,7 +27,6 @@ from tests.meshlab import http_json
 pytestmark = pytest.mark.timeout(600)
 
 ROUNDS = 3
-LIVE_S = 5.0  # a liveness bound for the honest client, not a speed figure
 CHAT = "/v1/chat/completions"
 
 
@@ -115,8 +114,7 @@ def test_grammar_attacks_are_refused_or_served_while_an_honest_client_is_served(
             choice = a["body"]["choices"][0]
             text = json.loads(choice["message"]["content"])  # a JSON string, whole
             assert choice["finish_reason"] == "stop" and re.fullmatch(served[a["name"]], text), a
-    assert not honest.failures, honest.failures[:3]
-    assert honest.served > 0 and honest.worst < LIVE_S, (honest.served, honest.worst)
+    honest.assert_live()
     after = status_json(daemon.url)
     assert after["term"] == before["term"] and after["plan"] == before["plan"]
 

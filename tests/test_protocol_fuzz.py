@@ -30,7 +30,7 @@ from protocol.messages import MESSAGE_TYPES
 from .test_protocol import SAMPLES
 
 FUZZ = settings(
-    max_examples=3000, deadline=200, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 FRAMES = [encode(m) for m in SAMPLES]
 ATHERIS_SECONDS = 15
