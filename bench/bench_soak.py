@@ -65,7 +65,8 @@ def main() -> int:
             summary = result.summary()
             print(f"soak: {took / 60:.1f} min, {args.clients} clients, a fault every {args.gap} s")
             print(f"requests {summary['requests']}  exact {summary['exact']}  faults {summary['faults']}  "
-                  f"longest pause in an exact stream {summary['longest_pause_s']} s")
+                  f"longest pause in an exact stream {summary['longest_pause_s']} s "
+                  f"(during {summary['longest_pause_during']})")
             for kind, count in sorted(summary["kinds"].items()):
                 print(f"  {kind:60s} {count}")
             print("faults: " + ", ".join(f"{f.kind}/{f.role}/{f.victim}" for f in result.faults))

@@ -138,6 +138,11 @@ class Stream:
         after = [since] + [x for x in self.times if x > since]
         return max((b - a for a, b in zip(after, after[1:])), default=0.0)
 
+    def longest_silence_at(self, since: float) -> float:
+        """When the longest wait of ``longest_silence(since)`` began."""
+        after = [since] + [x for x in self.times if x > since]
+        return max(zip(after, after[1:]), key=lambda ab: ab[1] - ab[0], default=(since, since))[0]
+
     def intervals(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
@@ -193,6 +198,7 @@ class Outcome:
     t_end: float
     longest_pause: float = 0.0  # between consecutive tokens (streams), seconds
     detail: str = ""
+    pause_at: float = 0.0  # when the longest pause began (time.monotonic())
 
 
 class Clients:
@@ -264,7 +270,8 @@ class Clients:
             return Outcome("truncated" if s.tokens == self.want[:len(s.tokens)] else "wrong", url, True, t0, end,
                            detail=f"{len(s.tokens)} tokens, done {s.done}, finish {finish[-1:]}")
         return Outcome("exact" if s.tokens == self.want else "wrong", url, True, t0, end, pause,
-                       detail="" if s.tokens == self.want else f"got {s.tokens}")
+                       detail="" if s.tokens == self.want else f"got {s.tokens}",
+                       pause_at=s.longest_silence_at(s.t_sent))
 
     def _whole(self, url: str, t0: float) -> Outcome:
         from tests.meshlab import completion_body, http_json

@@ -65,10 +65,19 @@ class SoakResult:
             key = o.kind if o.kind == "exact" else o.kind + (" (documented)" if self.documented(o) else "")
             kinds[key] = kinds.get(key, 0) + 1
         pauses = [o.longest_pause for o in self.outcomes if o.kind == "exact" and o.streamed]
-        return {"requests": len(self.outcomes), "exact": kinds.get("exact", 0), "kinds": kinds,
+        slow = max((o for o in self.outcomes if o.kind == "exact" and o.streamed), key=lambda o: o.longest_pause,
+                   default=None)
+        return {"longest_pause_during": self.during(slow.pause_at, slow.url) if slow else "","requests": len(self.outcomes), "exact": kinds.get("exact", 0), "kinds": kinds,
                 "faults": len(self.faults), "longest_pause_s": round(max(pauses, default=0.0), 2),
                 "rss_mb_first_last": {name: (self.rss[0][1].get(name, 0) // 1024, self.rss[-1][1].get(name, 0) // 1024)
                                       for name in (self.rss[-1][1] if self.rss else {})}}
+
+    def during(self, at: float, url: str) -> str:
+        """The fault under way at ``at`` (or ended within 5 s of it), as kind/role/victim, and
+        whether ``url`` (the entry peer) was its victim: where a pause comes from."""
+        hits = [f for f in self.faults if f.t0 - 1.0 <= at <= (f.t1 or f.t0) + 5.0]
+        return ", ".join(f"{f.kind}/{f.role}/{f.victim}" + (" (the entry)" if f.url == url else "")
+                         for f in hits) or "no fault"
 
     def defects(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.kind != "exact" and not self.documented(o)]

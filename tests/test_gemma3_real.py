@@ -62,7 +62,12 @@ def gemma_fp32_dir(gemma_dir, gemma_gguf) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")  # a module fixture was made again each time the worker came back to the module
+# A session fixture is made once per xdist worker: the tests that read it share one worker,
+# or each worker ran the whole comparison again (three at once: 180 s of setup each in CI).
+COMPARED_GROUP = pytest.mark.xdist_group("gemma-compared")
+
+
+@pytest.fixture(scope="session")
 def compared(gemma_dir, gemma_fp32_dir, gemma_gguf, device) -> dict:
     """tests/gemma_reference.py's findings: meshd and transformers on the same file, and
     the quantization kept against the float32 expansion."""
@@ -86,6 +91,7 @@ def test_fetched_as_gemma3(gemma_dir, gemma_gguf):
     assert {r["source"] for r in records.values()} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
 
 
+@COMPARED_GROUP
 def test_kept_quantization_follows_the_float32_model(compared):
     """The quantized Gemma (Q/K rows unpermuted as whole rows of blocks, norms as float)
     picks the float32 model's token at nearly every position of prompt + continuation;
@@ -98,6 +104,7 @@ def test_kept_quantization_follows_the_float32_model(compared):
     assert sum(r["kept_top1"] for r in compared["prompts"]) / len(compared["prompts"]) >= 0.95
 
 
+@COMPARED_GROUP
 def test_greedy_matches_transformers_on_the_same_gguf(gemma_fp32_dir, compared):
     bos = MeshTokenizer.load(gemma_fp32_dir).bos_id
     for r in compared["prompts"]:
@@ -108,6 +115,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(gemma_fp32_dir, compared):
     assert len(compared["prompts"]) == len(PROMPTS) >= 3
 
 
+@COMPARED_GROUP
 def test_tokenizer_matches_transformers_gguf_tokenizer(gemma_dir, compared):
     assert compared["tokenizer"] == []  # [text, what differed] for each text that did
     tok = MeshTokenizer.load(gemma_dir)
