@@ -517,14 +517,24 @@ class Node:
         view = self.view
         return view.supernode, self.current_term(), None if view.is_supernode else view.links.get(view.supernode)
 
-    async def wait_upstream_change(self, mark: tuple) -> None:
+    async def wait_upstream_change(self, mark: tuple, same_again: bool = True) -> None:
         """After an attempt failed (the supernode lost, yielded or stopping): wait until a
-        supernode serves under another term, or another supernode, or over a new link."""
+        supernode serves under another term, or another supernode, or over a new link. A
+        supernode still there after the heartbeat bound, on the same link, was not lost
+        (a cut stream, a pause it came back from): the next attempt goes to it again, not
+        after the whole failover wait (unless it said it is not the supernode: not ``same_again``)."""
         def changed() -> bool:
             now = self.upstream_mark()
             return self.routable() and (now[:2] != mark[:2] or now[2] is not mark[2])
 
-        await self._wait_for(changed, self.config.failover_wait_s, "no new supernode took over")
+        wait_s = self.config.failover_wait_s
+        if not same_again:
+            return await self._wait_for(changed, wait_s, "no new supernode took over")
+        detect_s = self.config.heartbeat_s * self.config.missed_beats
+        if await self.view.changes.wait_for(changed, detect_s):
+            return
+        log.info("upstream_unchanged", supernode=mark[0], term=mark[1], waited_s=detect_s)
+        await self._wait_for(self.routable, max(0.0, wait_s - detect_s), "no new supernode took over")
 
 
 async def _guarded(coro, link: Link | None) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import time
 
 import aiohttp
 import pytest
@@ -95,6 +96,35 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert token_ids(events) == want
         assert [e for e in logs if e.get("event") == "proxy_resubmit"], "the stream did not survive a resubmit"
         assert entry.node.view.is_supernode and entry.node.current_term() > term
+
+
+async def test_a_stream_cut_while_the_supernode_lives_goes_on_within_the_heartbeat_bound(tiny_model_dir, tmp_path):
+    """The supernode's side of one tunneled stream ends (its task cancelled: no last reply)
+    while the supernode and its link live on: nothing changes in the mesh, so the entry
+    must not wait for a new supernode (the failover wait, 30 s) but resume on the same one."""
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, TOKENS)
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0) as (sup, entry):
+        term, cut_at = entry.node.current_term(), []
+
+        async def cut_after_a_few(events: list) -> None:
+            if len(token_ids(events)) >= 4 and not cut_at:
+                running = list(sup.node.tunnel._running.values())
+                assert len(running) == 1, running
+                running[0].cancel()
+                cut_at.append(time.monotonic())
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            with capture_logs() as logs:
+                events = await stream(http, entry.url, greedy(max_tokens=TOKENS), on_event=cut_after_a_few)
+            took = time.monotonic() - cut_at[0]
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
+        assert token_ids(events) == want
+        assert [e for e in logs if e.get("event") == "upstream_unchanged"], "the entry did not go back to it"
+        assert entry.node.current_term() == term and not entry.node.view.is_supernode
+        bound = entry.node.config.heartbeat_s * entry.node.config.missed_beats
+        # Silence (sock_read) and the wait for a change are both the heartbeat bound; the
+        # failover wait is 30 s. Not a speed figure: the gap between the two is 20 s.
+        assert took < 2 * bound + 1 + 5, took
 
 
 async def raw_status(url: str, request: bytes) -> int:

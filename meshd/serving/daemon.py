@@ -35,8 +35,9 @@ class Upstream(Protocol):
                        request_id: str = "", traceparent: str = "") -> AsyncContextManager:
         """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
 
-    async def wait_upstream_change(self, mark: tuple) -> None:
-        """Until a supernode serves that is not the one ``mark`` names (NoCapacity after the failover wait)."""
+    async def wait_upstream_change(self, mark: tuple, same_again: bool = True) -> None:
+        """Until a supernode serves that is not the one ``mark`` names (NoCapacity after the
+        failover wait); ``same_again``: or the same one, still reachable after the heartbeat bound."""
 
 
 class Daemon(Upstream, Protocol):

@@ -82,11 +82,12 @@ class Handoff:
 
 class _Retry(Exception):
     """This upstream cannot finish the answer; the next supernode may (``moved``:
-    wait for the mesh to name it first)."""
+    wait for the mesh to name it first; ``told``: the supernode said it is not one now,
+    so it is no use again however long the mesh takes to name the next)."""
 
-    def __init__(self, message: str, moved: bool = True):
+    def __init__(self, message: str, moved: bool = True, told: bool = False):
         super().__init__(message)
-        self.moved = moved
+        self.moved, self.told = moved, told
 
 
 @dataclass
@@ -173,7 +174,7 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
             log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.first_ids), attempt=resubmits)
             try:
                 if not isinstance(exc, _Retry) or exc.moved:
-                    await node.wait_upstream_change(mark)
+                    await node.wait_upstream_change(mark, same_again=not (isinstance(exc, _Retry) and exc.told))
                 else:  # the same supernode, once it had a moment (a re-plan under way)
                     await asyncio.sleep(node.config.heartbeat_s)
             except NoCapacity as gone:
@@ -208,7 +209,7 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
             except ValueError:
                 message, code = payload[:200].decode("utf-8", "replace"), None
             if code == SUPERNODE_CHANGED:
-                raise _Retry(message)
+                raise _Retry(message, told=True)
             return _Refused(up.status, payload)
         async for data in sse_events(up.content):
             if data == DONE:
@@ -217,7 +218,7 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
             if "error" in event:
                 message, code = _error_of(event)
                 if code == SUPERNODE_CHANGED:
-                    raise _Retry(message)
+                    raise _Retry(message, told=True)
                 if answer.generated:  # mid-answer: the next attempt resumes from the history
                     raise _Retry(message, moved=False)
                 # Refused before a token (a full KV budget): the client gets that, not a 200.
