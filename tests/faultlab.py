@@ -135,13 +135,12 @@ class Stream:
     def longest_silence(self, since: float) -> float:
         """The longest wait from ``since`` on: to the first token after it, or between two
         tokens after it (0.0 when none came)."""
-        after = [since] + [x for x in self.times if x > since]
-        return max((b - a for a, b in zip(after, after[1:])), default=0.0)
+        return self.longest_silence_span(since)[1]
 
-    def longest_silence_at(self, since: float) -> float:
-        """When the longest wait of ``longest_silence(since)`` began."""
+    def longest_silence_span(self, since: float) -> tuple[float, float]:
+        """(when it began, how long) of ``longest_silence(since)``."""
         after = [since] + [x for x in self.times if x > since]
-        return max(zip(after, after[1:]), key=lambda ab: ab[1] - ab[0], default=(since, since))[0]
+        return max(((a, b - a) for a, b in zip(after, after[1:])), key=lambda span: span[1], default=(since, 0.0))
 
     def intervals(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
@@ -255,7 +254,7 @@ class Clients:
         s = Stream(url, self.prompt, len(self.want), dict(self.extra), timeout=STREAM_TIMEOUT_S).start()
         s._thread.join(STREAM_TIMEOUT_S + 5)
         end = time.monotonic()
-        pause = s.longest_silence(s.t_sent)  # the first token too
+        pause_at, pause = s.longest_silence_span(s.t_sent)  # the first token too
         if s.errors:
             return Outcome("error:" + _error_kind(s.errors[-1]["error"]), url, True, t0, end,
                            detail=str(s.errors[-1])[:300])
@@ -270,8 +269,7 @@ class Clients:
             return Outcome("truncated" if s.tokens == self.want[:len(s.tokens)] else "wrong", url, True, t0, end,
                            detail=f"{len(s.tokens)} tokens, done {s.done}, finish {finish[-1:]}")
         return Outcome("exact" if s.tokens == self.want else "wrong", url, True, t0, end, pause,
-                       detail="" if s.tokens == self.want else f"got {s.tokens}",
-                       pause_at=s.longest_silence_at(s.t_sent))
+                       detail="" if s.tokens == self.want else f"got {s.tokens}", pause_at=pause_at)
 
     def _whole(self, url: str, t0: float) -> Outcome:
         from tests.meshlab import completion_body, http_json

@@ -64,11 +64,11 @@ class SoakResult:
         for o in self.outcomes:
             key = o.kind if o.kind == "exact" else o.kind + (" (documented)" if self.documented(o) else "")
             kinds[key] = kinds.get(key, 0) + 1
-        pauses = [o.longest_pause for o in self.outcomes if o.kind == "exact" and o.streamed]
         slow = max((o for o in self.outcomes if o.kind == "exact" and o.streamed), key=lambda o: o.longest_pause,
                    default=None)
-        return {"longest_pause_during": self.during(slow.pause_at, slow.url) if slow else "","requests": len(self.outcomes), "exact": kinds.get("exact", 0), "kinds": kinds,
-                "faults": len(self.faults), "longest_pause_s": round(max(pauses, default=0.0), 2),
+        return {"requests": len(self.outcomes), "exact": kinds.get("exact", 0), "kinds": kinds,
+                "faults": len(self.faults), "longest_pause_s": round(slow.longest_pause if slow else 0.0, 2),
+                "longest_pause_during": self.during(slow.pause_at, slow.url) if slow else "",
                 "rss_mb_first_last": {name: (self.rss[0][1].get(name, 0) // 1024, self.rss[-1][1].get(name, 0) // 1024)
                                       for name in (self.rss[-1][1] if self.rss else {})}}
 

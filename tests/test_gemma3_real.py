@@ -62,8 +62,8 @@ def gemma_fp32_dir(gemma_dir, gemma_gguf) -> Path:
     return out
 
 
-# A session fixture is made once per xdist worker: the tests that read it share one worker,
-# or each worker ran the whole comparison again (three at once: 180 s of setup each in CI).
+# The tests that read the comparison are a group of their own: one worker makes it (a session
+# fixture is made once per worker), beside the module's other long tests on another.
 COMPARED_GROUP = pytest.mark.xdist_group("gemma-compared")
 
 
