@@ -261,12 +261,16 @@ class MeshLab:
     def start(self, host: Host, *, model: str, name: str | None = None, mesh: str = "lab",
               secret_file: Path | None = None, vram: int | None = None, mdns: bool = True,
               peers: tuple[str, ...] = (), layer_delay_ms: float | None = None,
-              extra: tuple[str, ...] = (), env: dict[str, str] | None = None, port: int = PORT) -> Daemon:
-        """Spawn ``meshd run`` in ``host``; returns at once (see ``wait_up``)."""
+              extra: tuple[str, ...] = (), env: dict[str, str] | None = None, port: int = PORT,
+              node_id: str | None = None) -> Daemon:
+        """Spawn ``meshd run`` in ``host``; returns at once (see ``wait_up``). ``node_id``:
+        the id it will have (written into its new state dir), where a test must know it first."""
         assert host.addr is not None, "a daemon needs a host on the bridge"
         name = name or host.name
         state = self.workdir / f"state-{name}"
         state.mkdir(parents=True, exist_ok=False)  # a fresh, empty state dir per daemon per run
+        if node_id is not None:
+            (state / "node-id").write_text(node_id + "\n")
         argv = [sys.executable, "-m", "meshd.tools.cli", "run", "--name", name, "--host", host.addr,
                 "--port", str(port), "--mesh", mesh, "--secret-file", str(secret_file or self.secret_file),
                 "--state-dir", str(state), "--model", model, "--device", "cpu", "--dtype", "float32",

@@ -3,7 +3,8 @@ keepers that name each other as static peers end with one authenticated link bet
 them, which stays, with an RTT measured; a peer that goes silent is lost
 after the missed heartbeats, one that closes its socket at once, each with its reason
 in the view and told to the leader's ``on_lost``. Plain-text frames only when both ends
-run ``--debug-plaintext-links``; a dialer told (by mDNS) it reaches one node refuses another."""
+run ``--debug-plaintext-links``; a dialer told (by mDNS) it reaches one node refuses another,
+and a flood of adverts naming a peer's id at other addresses does not keep it from the real one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 from structlog.testing import capture_logs
 from aiohttp import web
 
-from meshd.control.links import LinkKeeper
+from meshd.control.discovery import Advert, PeerSeen
+from meshd.control.links import MAX_ADDRS_PER_PEER, LinkKeeper
 from meshd.control.mesh import MeshView
 from meshd.control.peers import Link
 from meshd.control.secure import Channel, LocalIdentity, handshake
@@ -52,6 +54,7 @@ async def keeper(tmp_path, node_id: str, port: int, peers: tuple[str, ...] = (),
         await web.TCPSite(runner, "127.0.0.1", port).start()
         tasks.spawn(k.connect_loop())
         tasks.spawn(k.heartbeat_loop())
+        tasks.spawn(k.discovery_loop())
         try:
             yield SimpleNamespace(keeper=k, view=view, joined=joined, lost=lost, url=f"http://127.0.0.1:{port}")
         finally:
@@ -130,6 +133,63 @@ async def test_plaintext_links_need_both_ends_and_a_dialer_checks_who_answers(tm
             with pytest.raises(AuthError, match="relay"):
                 me = LocalIdentity(NodeId("dddd"), "d", "home", SECRET, plaintext=True)
                 await handshake(ws, me, caps(), initiator=True, max_frame=1 << 20, expect=NodeId("eeee"))
+
+
+async def _impostor(port: int) -> web.AppRunner:
+    """A /mesh/ws without the secret: it answers the first handshake message with noise."""
+
+    async def ws_handler(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()
+        await ws.send_bytes(secrets.token_bytes(96))
+        await ws.receive()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/mesh/ws", ws_handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def test_a_flood_of_spoofed_adverts_for_a_peer_id_does_not_keep_it_unlinked(tmp_path):
+    """What discovery hands the keeper when a stranger on the LAN advertises both peers'
+    ids at addresses of its own, a new one every 20 ms (an impostor that fails the
+    handshake, or a port nobody listens on), while the real adverts come only every
+    second (discovery tells what it lists every few seconds). Kept as "the last advert
+    per id", every dial would go to the stranger; the keepers link all the same, and
+    dialled (and refused) the stranger on the way."""
+    pa, pb, evil = free_port(), free_port(), free_port()
+    closed = [free_port() for _ in range(2 * MAX_ADDRS_PER_PEER)]
+    impostor = await _impostor(evil)
+    with capture_logs() as logs:
+        async with keeper(tmp_path, "aaaa", pa) as a, keeper(tmp_path, "bbbb", pb) as b:
+            real = {"aaaa": Advert("aaaa", "a", "home", 2, "127.0.0.1", pa, 0, 1, "cpu"),
+                    "bbbb": Advert("bbbb", "b", "home", 2, "127.0.0.1", pb, 0, 1, "cpu")}
+
+            async def flood():
+                for i in range(10_000):  # bounded: 200 s at most, cancelled once linked
+                    port = [evil, *closed][i % (len(closed) + 1)]
+                    for peer, there in (("bbbb", a), ("aaaa", b)):
+                        if i % 50 == 0:
+                            there.keeper.events.put_nowait(PeerSeen(real[peer]))
+                        spoof = Advert(peer, "evil", "home", 2, "127.0.0.1", port, 1 << 40, 1, "cuda")
+                        there.keeper.events.put_nowait(PeerSeen(spoof))
+                    await asyncio.sleep(0.02)
+
+            spoofing = asyncio.create_task(flood())
+            try:
+                await until(lambda: "bbbb" in a.view.links and "aaaa" in b.view.links, timeout=20)
+                await until(lambda: any(e.get("event") == "peer_refused" and e.get("addr") == f"127.0.0.1:{evil}"
+                                        for e in logs), timeout=10)
+            finally:
+                spoofing.cancel()
+                await impostor.cleanup()
+            assert a.view.links["bbbb"].addr == "127.0.0.1" and a.view.links["bbbb"].caps.api_port == pb
+            assert len(a.keeper.adverts["bbbb"]) <= MAX_ADDRS_PER_PEER
+            assert not a.lost and not b.lost
 
 
 class SlowSocket:

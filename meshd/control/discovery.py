@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import ipaddress
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -28,6 +30,9 @@ log = structlog.get_logger(__name__)
 SERVICE_TYPE = "_meshd._tcp.local."
 VIRTUAL_PREFIXES = ("docker", "veth", "br-", "virbr", "vnet", "tun", "tap", "cni", "flannel", "cali", "zt", "wg")
 RESOLVE_TIMEOUT_MS = 3000
+RELIST_S = 5.0  # every advert listed now is told again this often (see Discovery._relist_loop)
+MAX_SERVICES = 256  # services of our type kept at once: a flood of names cannot grow memory
+MAX_HOSTS = 4  # IPv4 addresses taken from one service (a multi-homed peer lists several)
 CLOSE_TIMEOUT_S = 3.0
 _IP_MULTICAST_ALL = 49  # Linux; not exported by the socket module
 
@@ -51,11 +56,19 @@ class Advert:
     @classmethod
     def from_info(cls, info: AsyncServiceInfo) -> Advert:
         """Raises KeyError/ValueError on a TXT record that is not ours."""
+        return cls.all_from_info(info)[0]
+
+    @classmethod
+    def all_from_info(cls, info: AsyncServiceInfo) -> list[Advert]:
+        """One advert per IPv4 address of the service (at most MAX_HOSTS; one with
+        ``host=""`` where there is none). Raises KeyError/ValueError on a TXT record
+        that is not ours."""
         txt = {k.decode(): (v or b"").decode() for k, v in info.properties.items()}
-        addrs = info.parsed_addresses(IPVersion.V4Only)
-        return cls(node_id=txt["id"], name=txt.get("name", txt["id"]), mesh=txt["mesh"],
-                   version=int(txt["v"]), host=addrs[0] if addrs else "", port=int(txt["port"]),
-                   vram=int(txt["vram"]), ram=int(txt["ram"]), device=txt["dev"])
+        advert = cls(node_id=txt["id"], name=txt.get("name", txt["id"]), mesh=txt["mesh"],
+                     version=int(txt["v"]), host="", port=int(txt["port"]),
+                     vram=int(txt["vram"]), ram=int(txt["ram"]), device=txt["dev"])
+        hosts = info.parsed_addresses(IPVersion.V4Only)[:MAX_HOSTS]
+        return [dataclasses.replace(advert, host=h) for h in hosts] or [advert]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +144,14 @@ class Discovery:
         self._browser: AsyncServiceBrowser | None = None
         self._info: AsyncServiceInfo | None = None
         self._resolving: dict[str, asyncio.Task] = {}  # service name -> its resolution
-        self._seen: dict[str, Advert] = {}  # service name -> last advert emitted
+        self._seen: dict[str, tuple[Advert, ...]] = {}  # service name -> what it resolved to last
+        self._relist: asyncio.Task | None = None
         self._ignored: dict[str, str] = {}  # service name -> why, so each is logged once
 
-    def _service_info(self) -> AsyncServiceInfo:
+    def _service_info(self, instance: str | None = None) -> AsyncServiceInfo:
         a, label = self.advert, self.advert.node_id[:63]
         return AsyncServiceInfo(
-            SERVICE_TYPE, f"{label}.{SERVICE_TYPE}", port=a.port, properties=a.txt(),
+            SERVICE_TYPE, f"{instance or label}.{SERVICE_TYPE}", port=a.port, properties=a.txt(),
             server=f"meshd-{label[:50]}.local.", addresses=[socket.inet_aton(i) for i in self.interfaces])
 
     async def start(self) -> None:
@@ -157,23 +171,34 @@ class Discovery:
             raise ConfigError(f"mdns: none of {self.interfaces} can be bound (--mdns-interface)")
         _confine(self._zc.zeroconf, self.interfaces)
         self._browser = AsyncServiceBrowser(self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
+        self._relist = asyncio.get_running_loop().create_task(self._relist_loop())
         try:
             await (await self._zc.async_register_service(self._info, allow_name_change=False))
-        except NonUniqueNameException as e:
-            raise ConfigError(f"another node on the network advertises node id {a.node_id}") from e
+        except NonUniqueNameException:
+            # Anyone on the LAN can answer for our name (mDNS proves nothing), and node ids
+            # outlive restarts: refusing to start would let a stranger keep this peer down.
+            # The TXT record carries the node id, so the instance name is only a label: take
+            # one nobody can have guessed. (A copied state dir, two peers with one node id,
+            # is told apart where it can be: their handshake refuses a link to oneself.)
+            taken = self._info.name
+            self._info = self._service_info(f"{a.node_id[:50]}-{secrets.token_hex(4)}")
+            await (await self._zc.async_register_service(self._info, allow_name_change=True))
+            log.warning("mdns_name_taken", name=taken, advertised_as=self._info.name,
+                        hint="another advert answers for this node id: a spoofer on the LAN, "
+                             "or a copy of this state dir (delete its node-id file)")
         log.info("mdns_started", interfaces=self.interfaces, node=a.node_id, mesh=a.mesh)
 
     @property
     def peers(self) -> dict[str, Advert]:
         """Peers mDNS lists now, by node id. A peer that crashed and came back with the
         same advert makes no event (its records did not change): redial from here."""
-        return {a.node_id: a for a in self._seen.values()}
+        return {a.node_id: a for adverts in self._seen.values() for a in adverts}
 
     async def update(self, advert: Advert) -> None:
         """Re-announce new TXT fields (same node id); peers get PeerSeen again."""
         assert self._zc is not None and advert.node_id == self.advert.node_id
         self.advert = advert
-        self._info = self._service_info()
+        self._info = self._service_info(self._info.name.removesuffix(f".{SERVICE_TYPE}") if self._info else None)
         await (await self._zc.async_update_service(self._info))
 
     def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str,
@@ -184,8 +209,8 @@ class Discovery:
             task.cancel()
         if state_change is ServiceStateChange.Removed:
             self._ignored.pop(name, None)
-            if advert := self._seen.pop(name, None):
-                self._emit(PeerGone(advert.node_id))
+            if adverts := self._seen.pop(name, None):
+                self._emit(PeerGone(adverts[0].node_id))
             return
         task = asyncio.get_running_loop().create_task(self._resolve(self._zc, name))
         self._resolving[name] = task
@@ -197,9 +222,10 @@ class Discovery:
             log.info("mdns_unresolved", service=name)
             return
         try:
-            advert = Advert.from_info(info)
+            adverts = tuple(Advert.all_from_info(info))
         except (KeyError, ValueError, UnicodeDecodeError) as e:
             return self._ignore(name, f"malformed TXT: {e!r}")
+        advert = adverts[0]
         if advert.node_id == self.advert.node_id:
             return self._ignore(name, "self")
         if advert.mesh != self.advert.mesh:
@@ -208,10 +234,24 @@ class Discovery:
             return self._ignore(name, f"protocol version {advert.version} != {self.advert.version}")
         if not advert.host:
             return self._ignore(name, "no IPv4 address")
+        if name not in self._seen and len(self._seen) >= MAX_SERVICES:
+            return self._ignore(name, f"already {MAX_SERVICES} services listed")
         self._ignored.pop(name, None)
-        if self._seen.get(name) != advert:
-            self._seen[name] = advert
-            self._emit(PeerSeen(advert))
+        if self._seen.get(name) != adverts:
+            self._seen[name] = adverts
+            for a in adverts:
+                self._emit(PeerSeen(a))
+
+    async def _relist_loop(self) -> None:
+        """Tell every advert listed now again, every RELIST_S. The link keeper holds a
+        bounded set of addresses per node id, and anyone on the LAN can advertise any
+        node id: a real peer's address that a flood of spoofed ones pushed out comes
+        back from here, while the service still lists it, even though it never changed."""
+        while True:
+            await asyncio.sleep(RELIST_S)
+            for adverts in list(self._seen.values()):
+                for a in adverts:
+                    self._emit(PeerSeen(a))
 
     def _ignore(self, name: str, why: str) -> None:
         if self._ignored.get(name) != why:
@@ -228,6 +268,9 @@ class Discovery:
         """Goodbye packet first (peers drop us in ~ms), then the browser and sockets.
         Safe to call twice, and after a failed start."""
         zc, self._zc = self._zc, None  # from here on, callbacks are ignored
+        if self._relist is not None:
+            self._relist.cancel()
+            self._relist = None
         if zc is None:
             return
         try:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 
 import aiohttp
 import structlog
@@ -28,6 +29,21 @@ log = structlog.get_logger()
 
 LOST_SHOWN_S = 600.0  # how long /status lists a lost peer before it is gone
 REDIAL_AFTER_S = 2.0  # the larger id dials too once a peer it sees has stayed unlinked this long
+REFUSED_WAIT_S = 10.0  # an address whose handshake failed is dialled again after this long
+# mDNS is unauthenticated: anyone on the LAN can advertise any node id at any address.
+# So a node id keeps several addresses, each dialled on its own, and only the handshake
+# (which proves the id) tells the real one; a flood of spoofed addresses is bounded.
+MAX_ADDRS_PER_PEER = 8
+MAX_PEERS_HEARD = 256
+
+
+@dataclass(slots=True)
+class Heard:
+    """One address mDNS gave for a node id."""
+
+    advert: Advert
+    at: float  # when last heard (discovery tells every listed advert again every few seconds)
+    refused: bool = False  # its handshake failed: not that peer, or not of this mesh
 
 
 class LinkKeeper:
@@ -46,7 +62,10 @@ class LinkKeeper:
         self.on_lost = on_lost
         self.on_beat = on_beat  # each heartbeat, after the pings (the leader re-weighs hops)
         self.events: asyncio.Queue[DiscoveryEvent] = asyncio.Queue()  # discovery's PeerSeen / PeerGone
-        self.adverts: dict[str, Advert] = {}  # what mDNS lists now
+        # node id -> (host, port) -> what mDNS said: more than one address per id, since
+        # a stranger can advertise a real peer's id too (see MAX_ADDRS_PER_PEER).
+        self.adverts: dict[str, dict[tuple[str, int], Heard]] = {}
+        self._proven: dict[str, tuple[str, int]] = {}  # node id -> an address its handshake came from
         self._dialing: set[str] = set()
         self._dial_after: dict[str, float] = {}
         self._unlinked_since: dict[str, float] = {}  # advertised peers without a link, since when
@@ -60,7 +79,7 @@ class LinkKeeper:
             event = await self.events.get()
             match event:
                 case PeerSeen(advert=advert):
-                    self.adverts[advert.node_id] = advert
+                    self.hear(advert)
                 case PeerGone(node_id=node_id):
                     # Kept, to be dialled again: a goodbye heard while a cable was out, or
                     # a restart announced then, must not leave two live peers unlinked.
@@ -69,21 +88,52 @@ class LinkKeeper:
                         with contextlib.suppress(PeerLost):
                             await link.call_ping()
 
+    def hear(self, advert: Advert) -> None:
+        """Note one address for ``advert.node_id``. When the id already has
+        MAX_ADDRS_PER_PEER, one goes: a refused one first, then the one heard longest
+        ago; never the one a handshake came from. A real peer's address pushed out by a
+        flood comes back when discovery tells it again."""
+        now = time.monotonic()
+        addrs = self.adverts.get(advert.node_id)
+        if addrs is None:
+            if len(self.adverts) >= MAX_PEERS_HEARD:
+                self._forget_a_peer()
+            addrs = self.adverts[advert.node_id] = {}
+        key = (advert.host, advert.port)
+        if key in addrs:
+            addrs[key].advert, addrs[key].at = advert, now
+            return
+        if len(addrs) >= MAX_ADDRS_PER_PEER:
+            proven = self._proven.get(advert.node_id)
+            evictable = [k for k in addrs if k != proven]
+            del addrs[min(evictable, key=lambda k: (not addrs[k].refused, addrs[k].at))]
+        addrs[key] = Heard(advert, now)
+
+    def _forget_a_peer(self) -> None:
+        """Make room for a new node id: drop the unlinked one heard from longest ago."""
+        unlinked = [pid for pid in self.adverts if pid not in self.view.links]
+        if not unlinked:
+            return
+        oldest = min(unlinked, key=lambda pid: max(h.at for h in self.adverts[pid].values()))
+        del self.adverts[oldest]
+        self._unlinked_since.pop(oldest, None)
+
     def _dial_targets(self) -> list[tuple[str, str, int, NodeId | None]]:
         targets = []
         now = time.monotonic()
         linked_addrs = {(link.addr, link.caps.api_port) for link in self.view.live_links().values()}
-        for advert in self.adverts.values():
-            if advert.node_id in self.view.links:
-                self._unlinked_since.pop(advert.node_id, None)
+        for node_id, addrs in self.adverts.items():
+            if node_id in self.view.links:
+                self._unlinked_since.pop(node_id, None)
                 continue
-            since = self._unlinked_since.setdefault(advert.node_id, now)
+            since = self._unlinked_since.setdefault(node_id, now)
             if now - since > LOST_SHOWN_S:
                 continue  # gone for good (a goodbye, and silence since): dialled no more
             # One link per pair: the peer with the smaller id dials; the other one too
             # once the pair has stayed unlinked (that peer may never have heard of it).
-            if self.view.node_id < advert.node_id or now - since > REDIAL_AFTER_S:
-                targets.append((f"{advert.host}:{advert.port}", advert.host, advert.port, advert.node_id))
+            if self.view.node_id < node_id or now - since > REDIAL_AFTER_S:
+                for host, port in addrs:
+                    targets.append((f"{node_id}@{host}:{port}", host, port, NodeId(node_id)))
         for addr in self.config.peer:
             host, _, port = addr.rpartition(":")
             if (host, int(port)) not in linked_addrs:
@@ -93,6 +143,8 @@ class LinkKeeper:
     async def connect_loop(self) -> None:
         while True:
             now = time.monotonic()
+            # Spoofed adverts can name many addresses over time: keep only live backoffs.
+            self._dial_after = {k: t for k, t in self._dial_after.items() if t > now}
             for key, host, port, expect in self._dial_targets():
                 if key in self._dialing or self._dial_after.get(key, 0) > now:
                     continue
@@ -121,6 +173,8 @@ class LinkKeeper:
                 return
             except (AuthError, ProtocolError) as exc:
                 self._backoff(key, refused=True)
+                if expect is not None and (heard := self.adverts.get(expect, {}).get((host, port))):
+                    heard.refused = True
                 log.warning("peer_refused", addr=f"{host}:{port}", reason=str(exc))
                 await ws.close(code=CLOSE_AUTH, message=str(exc)[:120].encode())
                 return
@@ -135,7 +189,7 @@ class LinkKeeper:
             self._dialing.discard(key)
 
     def _backoff(self, key: str, refused: bool = False) -> None:
-        wait = 10.0 if refused else 1.0
+        wait = REFUSED_WAIT_S if refused else 1.0
         self._dial_after[key] = time.monotonic() + wait
 
     async def ws_handler(self, request: web.Request) -> web.WebSocketResponse:
@@ -179,6 +233,9 @@ class LinkKeeper:
         if old is not None and old.alive and self._preferred(old) and not self._preferred(link):
             return False
         self.view.add_link(link)
+        self._proven[link.peer_id] = (link.addr, link.caps.api_port)
+        if heard := self.adverts.get(link.peer_id, {}).get(self._proven[link.peer_id]):
+            heard.refused = False
         if old is not None and old.alive:
             self.spawn(old.close("replaced by a newer link", CLOSE_DUPLICATE))
         self.isolated_since = None
