@@ -19,6 +19,7 @@ import contextlib
 import resource
 import socket
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -253,3 +254,24 @@ def test_control_endpoints_answer_only_this_host_without_a_key(tiny_mesh):
     status, data = http_json_from(target.host, url, body)
     assert status == 404 and "no-such-node" in data["error"]["message"], (status, data)
     assert tiny_mesh.daemons[0].status()["plan"] == plan  # nothing was drained
+
+
+def test_an_ipv6_client_is_one_client_across_its_64():
+    """A host on IPv6 holds a whole /64 (privacy addresses: a new one whenever it likes), so
+    counting shares per address would give it as many KV shares as it cares to use. Its
+    requests count as its /64; another /64, and IPv4 clients, stay apart; an IPv4-mapped
+    address is the IPv4 client it maps."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from meshd.serving.guards import client_id
+
+    def from_(remote: str) -> str:
+        transport = SimpleNamespace(get_extra_info=lambda name, default=None:
+                                    (remote, 40000) if name == "peername" else default)
+        return client_id(make_mocked_request("POST", "/v1/completions", transport=transport), False, None)
+
+    one = {from_(f"2001:db8:1:2:{i:x}::{i:x}") for i in range(1, 200)}
+    assert one == {"addr:2001:db8:1:2::/64"}
+    assert from_("2001:db8:1:3::1") == "addr:2001:db8:1:3::/64"
+    assert from_("::ffff:192.0.2.7") == from_("192.0.2.7") == "addr:192.0.2.7"
+    assert from_("192.0.2.8") != from_("192.0.2.7")

@@ -22,7 +22,8 @@ import pytest
 
 from protocol.messages import PROTOCOL_VERSION
 from tests.fixtures.mesh import GiB
-from tests.meshlab import complete, daemon_env, greedy_reference
+from tests.honest import Honest
+from tests.meshlab import complete, completion_body, daemon_env, greedy_reference, http_json
 
 pytestmark = pytest.mark.netns
 
@@ -30,6 +31,7 @@ SPOOF_S = 150.0  # the attacker's own bound: longer than the test, shorter than 
 READY_S = 20.0
 PROMPT = "Spoofed adverts"
 MAX_TOKENS = 8
+WATCH_S = 5.0
 
 
 def spoofer_lines(path: Path) -> list[dict]:
@@ -69,6 +71,12 @@ def test_spoofed_adverts_of_real_node_ids_do_not_keep_the_peers_apart(meshlab, t
         reference = greedy_reference(tiny_model_dir, PROMPT, MAX_TOKENS)
         got, _ = complete(d2.url, PROMPT, MAX_TOKENS)
         assert got == reference, meshlab.fail_report()
+        # While the spoofed adverts go on changing: an honest client is served, nothing re-plans.
+        body = completion_body(PROMPT, MAX_TOKENS)
+        with Honest(lambda path, b: http_json(d2.url + path, b), (("/healthz", None), ("/v1/completions", body))) as honest:
+            time.sleep(WATCH_S)
+        honest.assert_live()
+        assert [d.status()["term"] for d in (d1, d2)] == [view["term"]] * 2, meshlab.fail_report()
 
         # A peer that restarts comes back into a LAN where the spoofed adverts are
         # already there, and still changing.

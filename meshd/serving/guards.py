@@ -121,14 +121,32 @@ def local_caller(request: web.Request) -> bool:
     return ip.is_loopback or (bool(sock) and ipaddress.ip_address(sock[0]) == ipaddress.ip_address(peer[0]))
 
 
+FAIR_V6_PREFIX = 64  # one IPv6 client is its /64: a host may use any address in it (RFC 4941)
+
+
+def fair_address(remote: str | None) -> str:
+    """The address a client is counted under for its KV share: an IPv4 address as is (an
+    IPv4-mapped IPv6 one as IPv4), an IPv6 address as its /64, since one host holds a whole
+    /64 and could otherwise take a share per address."""
+    try:
+        ip = ipaddress.ip_address(remote or "")
+    except ValueError:
+        return remote or "?"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, FAIR_V6_PREFIX), strict=False))
+    return str(ip)
+
+
 def client_id(request: web.Request, mesh_peer: bool, bearer: str | None) -> str:
     """Who a request is for, as KV admission counts it: the client a peer forwarded for,
-    else the API key it used (hashed), else its address."""
+    else the API key it used (hashed), else its address (an IPv6 one by its /64)."""
     if mesh_peer and (forwarded := request.headers.get(CLIENT_HEADER)):
         return forwarded[:128]
     if bearer:
         return "key:" + hashlib.sha256(bearer.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return "addr:" + (request.remote or "?")
+    return "addr:" + fair_address(request.remote)
 
 
 # -- Host (DNS rebinding) ------------------------------------------------------------------
