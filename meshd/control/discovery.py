@@ -255,6 +255,8 @@ class Discovery:
 
     def _ignore(self, name: str, why: str) -> None:
         if self._ignored.get(name) != why:
+            if len(self._ignored) >= MAX_SERVICES:  # only there to log each once: a flood of names forgets
+                self._ignored.clear()
             self._ignored[name] = why
             (log.debug if why == "self" else log.info)("mdns_ignored", service=name, why=why)
 
