@@ -17,7 +17,8 @@ are the prompt's own (the head on every row, computed where the mesh computes it
 
 ``--hf DIR`` (a float32 model directory of a Llama-family model, as ``meshd model convert
 --dtype float32`` writes it) adds transformers' perplexity of the same chunks, on the same
-weights; ``--gguf FILE`` (default: the file the model came from) with llama.cpp's tools adds
+weights; ``--hf-gguf FILE`` the same with transformers reading the GGUF itself (any family it
+reads, Gemma 3 too); ``--gguf FILE`` (default: the file the model came from) with llama.cpp's tools adds
 ``llama-perplexity -c CTX --chunks N`` on it; ``--cost PAIRS`` what scoring a chunk costs over
 sending it as a plain prompt.
 """
@@ -99,12 +100,23 @@ def scoring_cost(url: str, chunks: list[list[int]], pairs: int) -> dict:
     return {"scored_s": min(scored), "plain_s": min(plain), "ratio": min(scored) / min(plain)}
 
 
-def hf_perplexity(fp32_dir: Path, chunks: list[list[int]], ctx: int) -> dict:
-    import torch
-
+def hf_from_shards(fp32_dir: Path):
     from tests.test_parity_transformers import hf_model_from_shards
 
-    model = hf_model_from_shards(fp32_dir)
+    return hf_model_from_shards(fp32_dir)
+
+
+def hf_from_gguf(gguf: Path):
+    """transformers' own reader of the GGUF, dequantized to float32: what the file's weights say."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def hf_perplexity(model, chunks: list[list[int]], ctx: int) -> dict:
+    import torch
+
     first = ctx // 2
     nll, scored = 0.0, 0
     began = time.perf_counter()
@@ -118,8 +130,10 @@ def hf_perplexity(fp32_dir: Path, chunks: list[list[int]], ctx: int) -> dict:
 
 
 def llama_perplexity(folder: Path, gguf: Path, ctx: int, n_chunks: int, threads: int) -> dict:
-    cmd = [str(folder / "bin" / "llama-perplexity"), "-m", str(gguf), "-f", str(TEXT), "-c", str(ctx),
-           "--chunks", str(n_chunks), "-t", str(threads)]
+    # --no-repack: ggml's plain CPU kernels. Its AMX repack of Q4_1 dies (SIGSEGV in
+    # tinygemm_kernel_amx) on a CPU with AMX as the one these figures were taken on.
+    cmd = [str(folder / "bin" / "llama-perplexity"), "-m", str(gguf.resolve()), "-f", str(TEXT), "-c", str(ctx),
+           "--chunks", str(n_chunks), "-t", str(threads), "--no-repack"]
     began = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
@@ -141,6 +155,9 @@ def main() -> int:
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF for llama-perplexity (default: the "
                     "default model's source file in the state dir's cache)")
     ap.add_argument("--hf", type=Path, default=None, help="a float32 model directory for transformers' figure")
+    ap.add_argument("--hf-gguf", type=Path, default=None,
+                    help="a GGUF file for transformers' figure, dequantized by transformers' own reader (any "
+                         "family it reads): what the file's weights say, without llama.cpp's activation rounding")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cost", type=int, default=0, metavar="PAIRS",
                     help="also time PAIRS chunks scored against as many plain prompts of the same length")
@@ -168,10 +185,15 @@ def main() -> int:
         print(f"meshd API:       PPL {figures['meshd']['ppl']:.4f}  ({figures['meshd']['scored']} tokens scored, "
               f"{figures['meshd']['tok_s']:.0f} prompt tok/s)")
     if args.hf is not None:
-        figures["transformers"] = hf_perplexity(args.hf, chunks, args.ctx)
+        figures["transformers"] = hf_perplexity(hf_from_shards(args.hf), chunks, args.ctx)
         ref = figures["transformers"]["ppl"]
         print(f"transformers:    PPL {ref:.4f}  (float32, {args.hf.name}); meshd / transformers - 1 = "
               f"{figures['meshd']['ppl'] / ref - 1:+.2e}")
+    if args.hf_gguf is not None:
+        figures["transformers_gguf"] = hf_perplexity(hf_from_gguf(args.hf_gguf), chunks, args.ctx)
+        ref = figures["transformers_gguf"]["ppl"]
+        print(f"transformers:    PPL {ref:.4f}  ({args.hf_gguf.name} dequantized by transformers); "
+              f"meshd / transformers - 1 = {figures['meshd']['ppl'] / ref - 1:+.2e}")
     gguf = args.gguf or gguf_file(SMOLLM2_GGUF)
     folder, why = llama_cpp(args.llama_cpp, args.build_llama_cpp, ("llama-perplexity",))
     if folder is None or gguf is None:
