@@ -8,13 +8,14 @@ peer while it was down or stopping), faults, the longest pause inside an exact s
 (the first token included), and each daemon's RSS over time. Exits 1 on any defect
 (a wrong token, a 200 cut short, an error that is not documented).
 
-    sudo .venv/bin/python bench/bench_soak.py [--minutes 10] [--clients 6] [--gap 15,30]
+    sudo .venv/bin/python bench/bench_soak.py [--minutes 10] [--clients 6] [--gap 15,30] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -45,6 +46,8 @@ def main() -> int:
     ap.add_argument("--gap", default="15,30", help="seconds between faults: MIN,MAX")
     ap.add_argument("--model", type=Path, help="a model directory (default: the tiny test model, made here)")
     ap.add_argument("--seed", type=int, default=16)
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="copy the daemons' logs here at the end (the work dir is removed), to read a pause by")
     args = ap.parse_args()
     if not netlab_available():
         log("needs root (network namespaces)")
@@ -66,7 +69,8 @@ def main() -> int:
             print(f"soak: {took / 60:.1f} min, {args.clients} clients, a fault every {args.gap} s")
             print(f"requests {summary['requests']}  exact {summary['exact']}  faults {summary['faults']}  "
                   f"longest pause in an exact stream {summary['longest_pause_s']} s "
-                  f"(during {summary['longest_pause_during']})")
+                  f"(during {summary['longest_pause_during']}; began {summary['longest_pause_began']} "
+                  f"on {summary['longest_pause_url']})")
             for kind, count in sorted(summary["kinds"].items()):
                 print(f"  {kind:60s} {count}")
             print("faults: " + ", ".join(f"{f.kind}/{f.role}/{f.victim}" for f in result.faults))
@@ -82,6 +86,11 @@ def main() -> int:
             if soak is not None:
                 soak.close()
             lab.close()
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for path in (work / "mesh").glob("*.log"):
+                    shutil.copy2(path, args.keep / path.name)
+                log(f"daemon logs kept in {args.keep}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Every wait is bounded; daemons are ended by pid by the lab.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import random
 import signal
@@ -69,6 +70,9 @@ class SoakResult:
         return {"requests": len(self.outcomes), "exact": kinds.get("exact", 0), "kinds": kinds,
                 "faults": len(self.faults), "longest_pause_s": round(slow.longest_pause if slow else 0.0, 2),
                 "longest_pause_during": self.during(slow.pause_at, slow.url) if slow else "",
+                # wall clock (UTC, as the daemons' logs stamp it) and where that stream was sent
+                "longest_pause_began": _wall(slow.pause_at) if slow else "",
+                "longest_pause_url": slow.url if slow else "",
                 "rss_mb_first_last": {name: (self.rss[0][1].get(name, 0) // 1024, self.rss[-1][1].get(name, 0) // 1024)
                                       for name in (self.rss[-1][1] if self.rss else {})}}
 
@@ -205,3 +209,9 @@ class Soak:
         # One mesh again once the clients stopped (with streams in flight a join waits for them).
         self.mesh.wait_converged(self.daemons, n_stages=2, timeout=90)
         return result
+
+
+def _wall(monotonic: float) -> str:
+    """A time.monotonic() instant as the UTC wall-clock time the daemons' logs use."""
+    wall = time.time() - (time.monotonic() - monotonic)
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat(timespec="milliseconds")
