@@ -73,15 +73,16 @@ async def mesh(tiny_model_dir, tmp_path):
     tasks = Tasks()
     made = []
 
-    def make(*peers: Peer, my_budget: int = 100 * GiB, my_timing: Measured = Measured()) -> SimpleNamespace:
+    def make(*peers: Peer, my_budget: int = 100 * GiB, my_timing: Measured = Measured(),
+             busy=lambda: False, isolated_since=lambda: None, **flags) -> SimpleNamespace:
         # "a" leads (most VRAM) and is slow, so placement gives the peers layers.
         my_caps = replace(caps(vram=64 * GiB, layer_ms=20.0, mem_budget=my_budget), measured=my_timing)
         view = view_with("a", my_caps, *peers)
-        cfg = config(tmp_path, tiny_model_dir, replicate=False, drain_timeout_s=5.0)
+        cfg = config(tmp_path, tiny_model_dir, replicate=False, drain_timeout_s=5.0, **flags)
         store = store_for(cfg, view, tiny_model_dir)
         pipeline = Pipeline()
         leader = Leader(cfg, view, store, pipeline, spawn=tasks.spawn, local_runner=LocalRunner,
-                        use_model=lambda model_dir, manifest: "model", busy=lambda: False)
+                        use_model=lambda model_dir, manifest: "model", busy=busy, isolated_since=isolated_since)
         for p in peers:
             p.leader = leader
         tasks.spawn(leader.run())
@@ -152,6 +153,45 @@ async def test_losing_an_idle_peer_replans_nothing_losing_a_stage_replans_at_onc
     after = await active(m, term_above=1)
     validate(after.assignments, m.n)
     assert "b" not in nodes(after) and after.term == 2
+
+
+async def test_a_cut_off_supernode_replans_when_its_peers_are_back_without_deferring_for_its_streams(mesh):
+    """Streams are in flight. A new peer's join waits for them (``join_defer_s``, 30 s) so
+    that it disturbs none. But when this supernode lost every link at once (its cable) it
+    waited instead of re-planning alone, so its plan still names peers it lost: when they
+    are back, that plan cannot serve, and every stream (and every follower) waits on the
+    next. It comes at once, not after the 30 s the streams would have held it."""
+    cut_since: list[float] = []
+    # A long heartbeat: the cut-off wait (8 beats) does not end inside the test either.
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB), busy=lambda: True,
+             isolated_since=lambda: cut_since[0] if cut_since else None, heartbeat_s=10.0)
+    assert m.leader.config.join_defer_s >= 30
+    m.leader.view_changed("start")
+    plan = await active(m)
+    assert nodes(plan) >= {"b", "c"}
+    # A new peer (no span yet) joins while streams are in flight: deferred.
+    newcomer = Peer("e", 1 * GiB, layer_ms=1e6)
+    newcomer.leader = m.leader
+    m.view.add_link(newcomer)
+    m.leader.peer_joined(newcomer.peer_id)
+    await m.view.changes.wait_for(lambda: False, 1.0)  # past the settling: a re-plan would be under way
+    assert m.view.plan is plan and m.view.term == 1 and not m.leader.negotiating()
+    # The cable: every link lost at once. The leader waits for them (no plan alone).
+    cut_since.append(__import__("time").monotonic())
+    for pid in ("b", "c", "e"):
+        link = m.view.links[pid]
+        m.view.remove_link(link)
+        m.leader.peer_lost(NodeId(pid), "missed 3 heartbeats")
+    await m.view.changes.wait_for(lambda: False, 0.5)
+    assert m.view.plan is plan and m.view.term == 1
+    # The cable is back: the plan's peers link again. Re-planned at once, busy or not.
+    cut_since.clear()
+    for pid in ("b", "c"):
+        m.view.add_link(m.peers[pid])
+        m.leader.peer_joined(NodeId(pid))
+    after = await active(m, term_above=1)  # until()'s 10 s, well inside the 30 s deferral
+    validate(after.assignments, m.n)
+    assert nodes(after) >= {"b", "c"}
 
 
 async def test_a_drain_returns_once_a_plan_without_the_peer_is_active(mesh):

@@ -91,6 +91,8 @@ class Leader:
         self._learned = False  # a peer sent new timings since the last rebalance check
         self.rebalances = 0
         self._weighed_on: tuple[Manifest, float] | None = None  # the active plan's model and hop_ms
+        self._members_lost: set[NodeId] = set()  # peers of the active plan lost and not back yet
+        self._member_back = False  # one of them came back: the next re-plan is not deferred
 
     # -- the election loop ---------------------------------------------------------------
 
@@ -123,15 +125,19 @@ class Leader:
                 if self._urgent:  # a loss came while waiting: this re-plan covers it too
                     self._urgent = False
                     self._changed.clear()
+            self._member_back = False
             self._reelect()
 
     async def _defer_join(self) -> None:
         """A join re-plans only once the streams in flight are done (within
         ``join_defer_s``), so a peer that comes back disturbs none of them; the
-        supernode stays the same, or a loss arrives meanwhile, or time runs out."""
+        supernode stays the same, or a loss arrives meanwhile, or time runs out. Not
+        when a peer of the active plan came back (``peer_joined``): those streams
+        cannot go on until the re-plan."""
         if not self.view.is_supernode or self.view.elected() != self.view.node_id:
             return
-        await self.view.changes.wait_for(lambda: not self.busy() or self._urgent, self.config.join_defer_s)
+        await self.view.changes.wait_for(lambda: not self.busy() or self._urgent or self._member_back,
+                                         self.config.join_defer_s)
 
     def _isolated_wait(self) -> float:
         """Seconds left to wait before leading alone: a peer that lost every link at once is
@@ -177,9 +183,19 @@ class Leader:
 
     def peer_joined(self, peer: NodeId) -> None:
         self.view.draining.discard(peer)  # a peer that comes back is no longer drained
+        if peer in self._members_lost and self.view.in_plan(peer):
+            # Lost while in the active plan, and back before any plan without it (this
+            # supernode was the one cut off, and waited: _isolated_wait). That plan does
+            # not serve as it stands: the streams in flight wait on the next one, so the
+            # join is not deferred for them (it held them, and every follower, 30 s).
+            self._member_back = True
+            self.view.changes.pulse()
+        self._members_lost.discard(peer)
         self.view_changed(f"peer {peer} joined")
 
     def peer_lost(self, peer: NodeId, reason: str) -> None:
+        if self.view.in_plan(peer):
+            self._members_lost.add(peer)
         # A peer with no span (idle, or drained before it stopped) that is not the
         # supernode leaves the plan and the election as they are: re-planning would
         # only bump the term and replay every stream. Unless a negotiation waits on it.
