@@ -61,6 +61,9 @@ PING_GAP_S = 0.05
 class PlanSink(Protocol):
     """The supernode's pipeline, as the leader drives it."""
 
+    @property
+    def plan(self) -> object | None: ...  # the plan steps run under now, None while there is none
+
     async def serve(self, term: int, assignments: Sequence[Assignment], runners: Mapping[NodeId, StageRunner]
                     ) -> None: ...
 
@@ -132,9 +135,12 @@ class Leader:
         """A join re-plans only once the streams in flight are done (within
         ``join_defer_s``), so a peer that comes back disturbs none of them; the
         supernode stays the same, or a loss arrives meanwhile, or time runs out. Not
-        when a peer of the active plan came back (``peer_joined``): those streams
+        when a peer of the active plan came back (``peer_joined``), nor while no plan is
+        active here (a supernode just elected, its streams handed on to it): those streams
         cannot go on until the re-plan."""
         if not self.view.is_supernode or self.view.elected() != self.view.node_id:
+            return
+        if self.pipeline.plan is None:  # nothing runs to be disturbed: the streams wait for a plan
             return
         await self.view.changes.wait_for(lambda: not self.busy() or self._urgent or self._member_back,
                                          self.config.join_defer_s)
