@@ -29,6 +29,7 @@ from protocol.codec import decode
 from protocol.messages import ForwardBatch, NodeId, Ping, Segment, SessionId
 from shards.wire import from_wire, to_wire
 from tests.fixtures.shared import free_port
+from tests.mdns_spoofer import impostor as impostor_server
 from tests.inproc import Tasks, caps, config, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,25 +136,6 @@ async def test_plaintext_links_need_both_ends_and_a_dialer_checks_who_answers(tm
                 await handshake(ws, me, caps(), initiator=True, max_frame=1 << 20, expect=NodeId("eeee"))
 
 
-async def _impostor(port: int) -> web.AppRunner:
-    """A /mesh/ws without the secret: it answers the first handshake message with noise."""
-
-    async def ws_handler(request):
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        await ws.receive()
-        await ws.send_bytes(secrets.token_bytes(96))
-        await ws.receive()
-        return ws
-
-    app = web.Application()
-    app.router.add_get("/mesh/ws", ws_handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
 async def test_a_flood_of_spoofed_adverts_for_a_peer_id_does_not_keep_it_unlinked(tmp_path):
     """What discovery hands the keeper when a stranger on the LAN advertises both peers'
     ids at addresses of its own, a new one every 20 ms (an impostor that fails the
@@ -163,7 +145,7 @@ async def test_a_flood_of_spoofed_adverts_for_a_peer_id_does_not_keep_it_unlinke
     dialled (and refused) the stranger on the way."""
     pa, pb, evil = free_port(), free_port(), free_port()
     closed = [free_port() for _ in range(2 * MAX_ADDRS_PER_PEER)]
-    impostor = await _impostor(evil)
+    impostor = await impostor_server("127.0.0.1", evil, accepted=[0])
     with capture_logs() as logs:
         async with keeper(tmp_path, "aaaa", pa) as a, keeper(tmp_path, "bbbb", pb) as b:
             real = {"aaaa": Advert("aaaa", "a", "home", 2, "127.0.0.1", pa, 0, 1, "cpu"),

@@ -41,7 +41,6 @@ MAX_PEERS_HEARD = 256
 class Heard:
     """One address mDNS gave for a node id."""
 
-    advert: Advert
     at: float  # when last heard (discovery tells every listed advert again every few seconds)
     refused: bool = False  # its handshake failed: not that peer, or not of this mesh
 
@@ -101,13 +100,13 @@ class LinkKeeper:
             addrs = self.adverts[advert.node_id] = {}
         key = (advert.host, advert.port)
         if key in addrs:
-            addrs[key].advert, addrs[key].at = advert, now
+            addrs[key].at = now
             return
         if len(addrs) >= MAX_ADDRS_PER_PEER:
             proven = self._proven.get(advert.node_id)
             evictable = [k for k in addrs if k != proven]
             del addrs[min(evictable, key=lambda k: (not addrs[k].refused, addrs[k].at))]
-        addrs[key] = Heard(advert, now)
+        addrs[key] = Heard(now)
 
     def _forget_a_peer(self) -> None:
         """Make room for a new node id: drop the unlinked one heard from longest ago."""
