@@ -12,6 +12,7 @@ small for the model says why it cannot serve.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import replace
 from types import SimpleNamespace
@@ -177,7 +178,7 @@ async def test_a_cut_off_supernode_replans_when_its_peers_are_back_without_defer
     await m.view.changes.wait_for(lambda: False, 1.0)  # past the settling: a re-plan would be under way
     assert m.view.plan is plan and m.view.term == 1 and not m.leader.negotiating()
     # The cable: every link lost at once. The leader waits for them (no plan alone).
-    cut_since.append(__import__("time").monotonic())
+    cut_since.append(time.monotonic())
     for pid in ("b", "c", "e"):
         link = m.view.links[pid]
         m.view.remove_link(link)

@@ -71,6 +71,7 @@ def picked(lls: list[float]) -> int:
 def test_lm_eval_local_completions_scores_what_its_hf_model_scores(real_fp32_dir, hf_tokenizer_dir, task_dir,
                                                                   tmp_path):
     import lm_eval
+    import transformers
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -88,7 +89,7 @@ def test_lm_eval_local_completions_scores_what_its_hf_model_scores(real_fp32_dir
                         "tokenized_requests": True, "num_concurrent": 2, "max_retries": 1},
             tasks=[TASK], task_manager=tasks, log_samples=True)
     hf_model = hf_model_from_shards(real_fp32_dir)
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(hf_tokenizer_dir))
     with torch.inference_mode():
         hf = lm_eval.simple_evaluate(model=HFLM(pretrained=hf_model, tokenizer=tokenizer, batch_size=8),
                                      tasks=[TASK], task_manager=tasks, log_samples=True)
