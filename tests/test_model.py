@@ -229,21 +229,44 @@ def test_cuda_decode_at_new_lengths_never_runs_cudnn_attention(tiny_model_dir):
     assert got == generate_greedy(cpu, ids, 24)
 
 
+def continue_together(stage, prefixes: Sequence[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations of several sessions: each prefix prefilled in one forward of its
+    own (as a replay is), then decoded together, one row of every session per forward (as the
+    scheduler batches them): ``n`` tokens each."""
+    caches = [stage.new_caches() for _ in prefixes]
+    dev = stage.device
+    with torch.inference_mode():
+        outs = []
+        for ids, c in zip(prefixes, caches):
+            x = stage(stage.embed(torch.tensor(ids, dtype=torch.long, device=dev)), 0, c)
+            outs.append([int(stage.head(x[-1:])[0].argmax())])
+        pos = [len(ids) for ids in prefixes]
+        for _ in range(n - 1):
+            x = stage.embed(torch.tensor([o[-1] for o in outs], dtype=torch.long, device=dev))
+            y = stage.forward_batch(x, [(p, 1, c) for p, c in zip(pos, caches)])
+            for o, t in zip(outs, stage.head(y).argmax(-1).tolist()):
+                o.append(int(t))
+            pos = [p + 1 for p in pos]
+    return outs
+
+
 def replay_divergences(model_dir: Path, prompts: Sequence[str], n: int, after: int) -> tuple[int, list]:
     """What a failover does, on one engine: the kept-quantized model generates ``n`` tokens
     one row at a time; a restart from the prompt plus its first k tokens prefilled in one
-    forward (a replay) must continue with the same ``after`` tokens, for every odd k. Returns
-    (restarts, [(prompt, k) that continued differently])."""
+    forward (a replay) must continue with the same ``after`` tokens, for every odd k (the
+    restarts of a prompt decode together: a row's tokens must not depend on its batch
+    either). Returns (restarts, [(prompt, k) that continued differently])."""
     stage = load_stage(model_dir, Span(0, Manifest.load(model_dir).n_layers), True, True)[0]
     tok = MeshTokenizer.load(model_dir)
     restarts, diverged = 0, []
     for prompt in prompts:
         ids = tok.encode(prompt)
         stream = generate_greedy(stage, ids, n)
-        for k in range(1, n - 1, 2):
+        ks = list(range(1, n - 1, 2))
+        for k, got in zip(ks, continue_together(stage, [ids + stream[:k] for k in ks], after)):
             restarts += 1
             m = min(after, n - k)
-            if generate_greedy(stage, ids + stream[:k], m) != stream[k:k + m]:
+            if got[:m] != stream[k:k + m]:
                 diverged.append((prompt, k))
     return restarts, diverged
 
