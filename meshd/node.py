@@ -23,6 +23,7 @@ import json
 import secrets
 import ssl
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -74,6 +75,7 @@ from protocol.messages import (
     Drop,
     ForwardBatch,
     Hello,
+    Leaving,
     Measured,
     Message,
     NodeId,
@@ -149,6 +151,8 @@ class Node:
         self.chat_template = chat_template_of(config)  # used only while this peer is the supernode
         self.started = time.time()
         self.stopping = False
+        self.relays = 0  # completions this peer's API relays to the supernode now (a stop waits for them)
+        self.relays_ending = asyncio.Event()  # set at the drain deadline: relays still open end now
         self.http: aiohttp.ClientSession | None = None  # made when the node runs (it needs the loop)
         self._tg: asyncio.TaskGroup | None = None
 
@@ -286,7 +290,10 @@ class Node:
                 if discovery is not None:  # stop announcing first
                     await discovery.close()
                     discovery = None
-                await self.request_own_drain(deadline)  # hand the span away
+                led = self.view.is_supernode
+                await self._step_down()  # no peer elects this one again; a supernode hands the lead on
+                if not led:
+                    await self.request_own_drain(deadline)  # hand the span away
                 await self._drain(deadline)  # let in-flight sessions finish
                 for link in list(self.view.links.values()):
                     with contextlib.suppress(Exception):
@@ -308,14 +315,46 @@ class Node:
             self.store.close()
             log.info("node_stopped")
 
+    async def _step_down(self) -> None:
+        """Tell every peer this one is stopping (``Leaving``), so that none elects it again.
+        A supernode hands the lead on at once, while its links are still up: its sessions
+        go on at the next one (entry peers resubmit theirs, its API hands on its own's),
+        rather than the whole mesh waiting out its drain and then a heartbeat bound. Unless
+        the peers left cannot hold the model: a supernode then leads on, alone, while it drains."""
+        if self.view.is_supernode and not self.leader.others_can_lead():
+            log.info("supernode_drains_leading", reason="the peers left cannot hold the model")
+            return
+        for link in list(self.view.live_links().values()):
+            try:
+                await link.send(Leaving("shutting down"))
+            except (PeerLost, ConnectionError, aiohttp.ClientError) as exc:
+                log.debug("leaving_not_sent", peer=link.peer_id, error=str(exc))
+        self.leader.step_down()
+
     async def _drain(self, deadline: float) -> None:
-        """Let in-flight sessions finish by ``deadline``; those left then end now, with
-        a 503 that says so (an entry peer resubmits its own at the next supernode)."""
+        """Let in-flight sessions, and the completions this peer relays to the supernode,
+        finish by ``deadline``; sessions left then end now, with a 503 that says so (an entry
+        peer resubmits its own at the next supernode)."""
+        def done() -> bool:
+            return not self.scheduler.active and not self.relays
+
         left = max(0.0, deadline - time.monotonic() - ABORT_GRACE_S)
-        if not await self.view.changes.wait_for(lambda: not self.scheduler.active, left):
-            log.warning("drain_timeout", sessions=len(self.scheduler.active))
+        if not await self.view.changes.wait_for(done, left):
+            log.warning("drain_timeout", sessions=len(self.scheduler.active), relays=self.relays)
+            self.relays_ending.set()
             await self.pipeline.suspend("this peer is shutting down", moved=True)
-            await self.view.changes.wait_for(lambda: not self.scheduler.active, ABORT_GRACE_S)
+            await self.view.changes.wait_for(done, ABORT_GRACE_S)
+
+    @contextlib.contextmanager
+    def relaying(self) -> Iterator[asyncio.Event]:
+        """Counts a completion relayed to the supernode while it runs (a stop waits for it);
+        yields the event set when the stop waits no longer."""
+        self.relays += 1
+        try:
+            yield self.relays_ending
+        finally:
+            self.relays -= 1
+            self.view.changes.pulse()
 
     async def _notify_ready(self, on_ready) -> None:
         await self.view.changes.wait_for(self.serves, None)
@@ -347,6 +386,8 @@ class Node:
                 self.spawn(self.follower.on_plan(link, msg), link)
             case ForwardBatch():
                 self.spawn(self.follower.serve_forward(link, msg), link)
+            case Leaving():
+                self.leader.peer_leaving(link.peer_id)
             case Hello():
                 raise ProtocolError(f"{type(msg).__name__} after the handshake")
             case Commit() | Drop() | Accept() | Reject() | ApiRequest() | ApiCancel():

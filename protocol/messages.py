@@ -139,6 +139,16 @@ class Bye:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """The sender is stopping: leave it out of the election from now on. It stays linked
+    while it hands its work on (a supernode's sessions go on at the one elected without
+    it, at once, not after it is gone), then says Bye."""
+
+    tag: ClassVar[str] = "leaving"
+    reason: str
+
+
 # -- plan negotiation ------------------------------------------------------------
 
 
@@ -293,7 +303,7 @@ class ApiCancel:
     req: int
 
 
-Message = (Hello | Ping | Pong | Bye | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
+Message = (Hello | Ping | Pong | Bye | Leaving | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
            | ApiRequest | ApiReply | ApiCancel)
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__

@@ -39,6 +39,7 @@ class FakeLink:
         self.alive = True
         self.rtt_ms: float | None = 0.3
         self.close_reason = ""
+        self.leaving = False  # it sent Leaving
         self.sent: list[Message] = []
         self.answer = answer
 

@@ -125,9 +125,10 @@ def complete_stream(url: str, prompt: str, max_tokens: int,
     return tokens, events
 
 
-def greedy_reference(model_dir: Path, prompt: str, n: int) -> list[int]:
+def greedy_reference(model_dir: Path, prompt: str, n: int, ignore_eos: bool = False) -> list[int]:
     """What one node answers at temperature 0: the whole model as one engine in this
-    process, cut at the first end-of-sequence (which the API does not send)."""
+    process, cut at the first end-of-sequence (which the API does not send), unless
+    ``ignore_eos`` (as the API's field)."""
     from shards.engine import StageEngine, generate_greedy
     from shards.manifest import Manifest
     from shards.span import Span
@@ -145,7 +146,7 @@ def greedy_reference(model_dir: Path, prompt: str, n: int) -> list[int]:
         torch.set_num_threads(threads)
         engine.close()
     for i, t in enumerate(out):
-        if t in tok.eos_ids:
+        if t in tok.eos_ids and not ignore_eos:
             return out[:i]
     return out
 

@@ -282,6 +282,40 @@ def test_sigkill_of_the_supernode_entry_peer_resubmits(fm):
           f"resubmitted after {resub[-1]['tokens_so_far']} tokens")
 
 
+def test_sigterm_of_the_supernode_hands_the_lead_on_before_it_goes(fm):
+    """The supernode stopped as systemd stops it (SIGTERM) tells its peers it is leaving
+    and hands the lead on while still linked, not after draining its own streams: a stream
+    through a member and a long one straight at it (it would keep the old supernode draining
+    for some 10 s) go on exactly, a request sent through a member just after the SIGTERM is
+    answered exactly, each silent for no longer than the heartbeat bound plus 2 s; the next
+    supernode's term says why, and the old one exits cleanly once what it relays is done."""
+    sup = fm.supernode
+    heir = fm.daemons[1]  # next highest vram
+    entry = fm.entry(heir)
+    term = fm.view["term"]
+    long_n = 160  # ~11 s at the daemons' per-layer delay
+    long_ref = greedy_reference(fm.model_dir, PROMPT, long_n, ignore_eos=True)
+    direct = Stream(sup.url, PROMPT, long_n, {"ignore_eos": True}).start()
+    s, t_fault = faulted_stream(fm, entry, lambda: sup.signal(signal.SIGTERM))
+    late = Stream(entry.url, PROMPT, N).start()
+    t_late = time.monotonic()
+    bound = MISSED_BEATS * HEARTBEAT_S + 2.0
+    for stream, ref, t, what in ((s, fm.reference, t_fault, f"via {entry.name}"),
+                                 (direct, long_ref, t_fault, f"straight at {sup.name}"),
+                                 (late, fm.reference, t_late, f"sent via {entry.name} after the SIGTERM")):
+        check_stream(fm, stream, ref, f"SIGTERM of supernode {sup.name}, a stream {what}")
+        gap = stream.longest_silence(t)
+        assert gap < bound, f"the stream {what} was silent {gap:.2f} s" + fm.report()
+    assert sup.proc.wait(30) == 0, sup.log_tail()
+    view = terms_after(fm, heir, term, lost=sup)
+    assert view["supernode"] == heir.node_id and sup.node_id not in plan_nodes(view), plan_spans(view)
+    taken = [t for t in heir.status()["terms"] if t["term"] > term]
+    assert taken and "is stopping" in taken[0]["reason"], taken  # the lead moved on Leaving, not on a loss
+    assert sup.log_events("session_handed_on"), "the stream straight at the supernode was not handed on"
+    print(f"\nSIGTERM supernode: gaps {s.longest_silence(t_fault):.2f} / {direct.longest_silence(t_fault):.2f} s, "
+          f"late request's first token after {late.gap_after(t_late):.2f} s; new supernode {heir.name}")
+
+
 # -- a peer comes back; a drain ------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ class Pipeline:
         self.plan = SimpleNamespace(term=term, assignments=tuple(assignments), runners=dict(runners))
         self.served.append((term, tuple(assignments)))
 
-    async def suspend(self, reason: str) -> None:
+    async def suspend(self, reason: str, moved: bool = False) -> None:
         self.plan = None
         self.suspended.append(reason)
 
@@ -52,8 +52,9 @@ class Peer(FakeLink):
     """Answers each Plan with the next scripted reply (then Accept), as a peer would."""
 
     def __init__(self, peer_id: str, vram: int, *replies: Reject, layer_ms: float = 1.0,
-                 measured: Measured = Measured()):
-        super().__init__(peer_id, caps(vram=vram, layer_ms=layer_ms), answer=self._answer)
+                 measured: Measured = Measured(), mem_budget: int | None = None):
+        budget = {} if mem_budget is None else {"mem_budget": mem_budget}
+        super().__init__(peer_id, caps(vram=vram, layer_ms=layer_ms, **budget), answer=self._answer)
         self.replies = deque(replies)
         self.measured = measured  # what its Accepts carry: its real layer, timed once loaded
         self.leader: Leader | None = None
@@ -193,6 +194,43 @@ async def test_a_cut_off_supernode_replans_when_its_peers_are_back_without_defer
     after = await active(m, term_above=1)  # until()'s 10 s, well inside the 30 s deferral
     validate(after.assignments, m.n)
     assert nodes(after) >= {"b", "c"}
+
+
+async def test_a_supernode_that_stops_hands_the_lead_on_at_once_alone_it_leads_on(mesh):
+    """``step_down`` (the node's stop, after it sent Leaving): the next peer by the election
+    rule leads, and the sessions here are suspended to go on there, at once. A supernode
+    with no peer left to lead keeps its plan (no new term, no replay) while it drains."""
+    alone = mesh()
+    alone.leader.view_changed("start")
+    plan = await active(alone)
+    alone.leader.step_down()
+    await alone.view.changes.wait_for(lambda: False, 0.3)  # time enough for a (wrong) re-plan
+    assert alone.view.plan is plan and alone.view.is_supernode and not alone.pipeline.suspended
+
+    small = mesh(Peer("b", 8 * GiB, mem_budget=1), my_budget=100 * GiB)
+    small.leader.view_changed("start")
+    await active(small)
+    assert not small.leader.others_can_lead()  # b alone cannot hold the model: the supernode drains leading
+
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB))
+    m.leader.view_changed("start")
+    await active(m)
+    assert m.leader.others_can_lead()
+    m.leader.step_down()
+    await until(lambda: m.pipeline.suspended)
+    assert m.view.supernode == "b" and m.view.elected() == "b" and not m.view.is_supernode
+    assert m.pipeline.suspended == ["supernode moved to b"]
+
+
+async def test_a_peer_that_says_it_is_leaving_is_no_candidate_nor_given_a_span(mesh):
+    m = mesh(Peer("b", 8 * GiB), Peer("c", 4 * GiB), Peer("z", 128 * GiB))
+    assert m.view.elected() == "z"
+    m.view.links["z"].leaving = True  # as its link's read loop marks it
+    m.leader.peer_leaving(NodeId("z"))
+    assert m.view.elected() == "a"
+    m.leader.view_changed("start")
+    plan = await active(m)
+    assert "z" not in nodes(plan) and {"b", "c"} <= nodes(plan)
 
 
 async def test_a_drain_returns_once_a_plan_without_the_peer_is_active(mesh):

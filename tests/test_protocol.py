@@ -27,6 +27,7 @@ from protocol.messages import (
     Fail,
     ForwardBatch,
     Hello,
+    Leaving,
     NodeId,
     Ping,
     Plan,
@@ -70,6 +71,7 @@ SAMPLES = [
     ApiRequest(req=4, method="POST", path="/v1/completions", body=b'{"prompt": "hi"}', authorization="Bearer k",
                traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
     ApiReply(req=4, status=200, data=b"data: {}\n\n", end=1),
+    Leaving(reason="shutting down"),
 ]
 
 

@@ -251,8 +251,9 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
 async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp_path):
     """The supernode stops while a long stream runs on it and another runs through the
     entry peer: the stop takes its drain timeout, not more; the stream sent straight to
-    it ends with an error event and [DONE] (never cut short, its session logged as cut),
-    and the one through the entry peer goes on at the next supernode, exact."""
+    it is handed on to the next supernode and, still relayed at the drain deadline, ends
+    with an error event and [DONE] (never cut short, its session here logged as cut), and
+    the one through the entry peer goes on at the next supernode, exact."""
     n = 64
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
     drain_s = 1.2
@@ -273,6 +274,7 @@ async def test_a_graceful_stop_ends_within_its_drain_timeout(tiny_model_dir, tmp
     assert len(token_ids(cut)) < n and token_ids(cut) == want[:len(token_ids(cut))]
     assert through[-1] == "[DONE]" and token_ids(through) == want, through[-3:]
     assert any(e.get("event") == "session_finished" and e.get("finish") == "cut" for e in logs)
+    assert any(e.get("event") == "relay_cut" for e in logs), "the straight stream was not handed on"
 
 
 async def test_sampling_fields_and_a_grammar_survive_a_resubmit(tiny_model_dir, tmp_path):

@@ -24,7 +24,7 @@ from typing import Protocol
 import structlog
 
 from meshd.config import Config
-from meshd.control.election import accepts_plan, next_term
+from meshd.control.election import accepts_plan, elect, next_term
 from meshd.control.mesh import MeshView, NotServing, plan_json
 from meshd.control.placement import Candidate, Costs, place, rebalanced, replan, stage_ms
 from meshd.control.runner import StageRunner
@@ -199,6 +199,39 @@ class Leader:
         self._members_lost.discard(peer)
         self.view_changed(f"peer {peer} joined")
 
+    def peer_leaving(self, peer: NodeId) -> None:
+        """A peer said it is stopping (``Leaving``): it is no candidate any more. Where it
+        leads, the election moves on now, while it is still linked to hand its sessions
+        on, not a heartbeat bound after it is gone. A stage hands its own span away (a
+        drain it asks for), so only the plan's next change leaves it out."""
+        if peer == self.view.supernode:
+            self.view_changed(f"supernode {peer} is stopping", urgent=True)
+
+    def step_down(self) -> None:
+        """This peer is stopping (it sent Leaving): where it leads, the election moves on
+        without it."""
+        self.view.leaving = True
+        if self.view.is_supernode and self.view.elected() != self.view.node_id:  # else it leads on, alone
+            self.view_changed("this supernode is stopping", urgent=True)
+
+    def others_can_lead(self) -> bool:
+        """Whether the peers left once this one stops could hold its model, led by the one
+        they would elect. Where they cannot, a stopping supernode leads on while it drains
+        (the mesh cannot serve without it anyway): its streams finish rather than move to a
+        supernode that has no plan to run them."""
+        manifest, view = self.store.manifest, self.view
+        if manifest is None:
+            return False
+        out = view.draining | view.leaving_peers() | {view.node_id}
+        peers = [c for c in view.candidates_for(manifest.name) if c.node_id not in out]
+        if not peers:
+            return False
+        try:
+            place(peers, Costs.of_model(manifest, elect(peers), 1.0, view.hop_ms()))
+        except NoCapacity:
+            return False
+        return True
+
     def peer_lost(self, peer: NodeId, reason: str) -> None:
         if self.view.in_plan(peer):
             self._members_lost.add(peer)
@@ -337,11 +370,11 @@ class Leader:
 
     def _weighed(self, manifest: Manifest, excluded: Mapping[NodeId, str] | None = None
                  ) -> tuple[list[Candidate], Costs]:
-        """The peers a plan may use (not excluded, not draining), weighed on what this model's
-        real parts cost them where they timed them, and the supernode's costs."""
+        """The peers a plan may use (not excluded, not draining, not stopping), weighed on what
+        this model's real parts cost them where they timed them, and the supernode's costs."""
         view = self.view
-        candidates = [c for c in view.candidates_for(manifest.name)
-                      if c.node_id not in (excluded or {}) and c.node_id not in view.draining]
+        out = set(excluded or {}) | view.draining | view.leaving_peers()
+        candidates = [c for c in view.candidates_for(manifest.name) if c.node_id not in out]
         me = next(c for c in candidates if c.node_id == view.node_id)
         return candidates, Costs.of_model(manifest, view.node_id, me.layer_ms, view.hop_ms(), view.caps.measured)
 

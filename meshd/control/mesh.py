@@ -129,6 +129,8 @@ class MeshView:
         self.plan: Plan | None = None  # the active plan as this peer knows it
         self.history: list[TermRecord] = []  # newest last
         self.draining: set[NodeId] = set()  # supernode: peers being moved off the plan
+        # Written by the node: this peer is stopping (it sent Leaving on every link).
+        self.leaving = False
         self.measured: dict[NodeId, Measured] = {}  # supernode: timings peers sent since their Hello
         self.unavailable: Unavailable | None = Unavailable(NotServing.STARTING)  # None once a plan serves
 
@@ -147,10 +149,18 @@ class MeshView:
         return {pid: link for pid, link in self.links.items() if link.alive}
 
     def candidates(self) -> list[Candidate]:
-        """This peer's view: itself plus every live, authenticated link."""
-        view = [Candidate.from_caps(self.node_id, self.caps)]
-        view += [Candidate.from_caps(pid, link.caps) for pid, link in self.live_links().items()]
-        return view
+        """This peer's view: itself plus every live, authenticated link, less the peers that
+        said they are stopping (``Leaving``). A peer stopping with no one else to elect keeps
+        itself: a mesh always elects someone."""
+        others = [Candidate.from_caps(pid, link.caps) for pid, link in self.live_links().items()
+                  if not link.leaving]
+        if self.leaving and others:
+            return others
+        return [Candidate.from_caps(self.node_id, self.caps), *others]
+
+    def leaving_peers(self) -> set[NodeId]:
+        """Linked peers that said they are stopping: no plan gives them a span."""
+        return {pid for pid, link in self.live_links().items() if link.leaving}
 
     def candidates_for(self, model: str) -> list[Candidate]:
         """``candidates`` as placement weighs them for ``model``: by what its real layers cost

@@ -34,6 +34,7 @@ from protocol.messages import (
     Fail,
     ForwardBatch,
     Hello,
+    Leaving,
     Message,
     NodeId,
     Ping,
@@ -89,6 +90,7 @@ class Link:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.close_reason = ""
+        self.leaving = False  # the peer said it is stopping: no longer a candidate for the election
         self._req = itertools.count(1)
         self._ping = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
@@ -213,6 +215,9 @@ class Link:
                             queue.put_nowait(msg)
                     case Bye(reason=reason):
                         await self.close(f"peer left: {reason}", CLOSE_BYE)
+                    case Leaving():
+                        self.leaving = True
+                        await handle(self, msg)
                     case _:
                         await handle(self, msg)
             await self.close(f"socket closed ({self.ws.close_code})", CLOSE_LOST)

@@ -300,11 +300,12 @@ def fingerprint(model: str) -> str:
 
 
 def _hands_on(request: web.Request, node: Daemon, req: CompletionRequest, failure: BaseException | None) -> bool:
-    """Whether a request this supernode began goes on at the next one: it yielded
-    (not stopping: then no next one is named until it is gone), one choice ran, and
-    a client sent it here (an entry peer that forwarded it resubmits it itself)."""
-    return (isinstance(failure, SupernodeChanged) and req.choices == 1 and not node.stopping
-            and not _mesh_peer(request))
+    """Whether a request this supernode began goes on at the next one: it yielded (also
+    when it stops: it handed the lead on first, and waits for what it relays; not if it
+    still leads, alone), one choice ran, and a client sent it here (an entry peer that
+    forwarded it resubmits it itself)."""
+    return (isinstance(failure, SupernodeChanged) and req.choices == 1
+            and not (node.stopping and node.view.is_supernode) and not _mesh_peer(request))
 
 
 def _token_text(tokenizer):

@@ -3,7 +3,8 @@ node, as Protocols: the node satisfies them, and nothing in serving/ imports it.
 
 from __future__ import annotations
 
-from typing import AsyncContextManager, Protocol
+import asyncio
+from typing import AsyncContextManager, ContextManager, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +27,10 @@ class Upstream(Protocol):
 
     config: Config
     http: aiohttp.ClientSession | None
+
+    def relaying(self) -> ContextManager[asyncio.Event]:
+        """Counts a completion relayed to the supernode while it runs (a stop waits for it);
+        yields the event set when the stop waits no longer."""
 
     def upstream_mark(self) -> tuple:
         """Who serves now (supernode, term, link): what a failed attempt waits to see change."""

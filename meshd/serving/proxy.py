@@ -132,9 +132,34 @@ class _Client:
 
 async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool,
                            handoff: Handoff | None = None) -> web.StreamResponse:
+    """Relay a completion to the supernode (resubmitting it where one is lost or yields),
+    and its answer to the client. A peer that stops waits for the relays it runs, up to its
+    drain deadline (``ending``): one still open then ends with an error event and [DONE]
+    (a 503 before the answer began), never a stream cut off without either."""
     if not isinstance(body, dict):  # let the supernode word the error
         body = {"_invalid": body}
     client = _Client(request, body, handoff.resp if handoff else None)
+    with node.relaying() as ending:
+        work = asyncio.ensure_future(_proxy_completion(node, client, body, chat, handoff))
+        stop = asyncio.ensure_future(ending.wait())
+        try:
+            await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the client went away (this handler cancelled)
+            stop.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.wait((work,))
+        if not work.cancelled():
+            return work.result()
+    why = "the supernode could not finish the request: this peer is shutting down"
+    log.warning("relay_cut", reason="this peer's drain deadline", path=request.path)
+    if client.resp is None:
+        raise NoCapacity(why)
+    return await client.end(error_json(why, 503))
+
+
+async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: bool,
+                            handoff: Handoff | None) -> web.StreamResponse:
     n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
     cid = handoff.cid if handoff else completion_id(chat)
     answer = _Answer(chat)
