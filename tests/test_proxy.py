@@ -98,6 +98,64 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert entry.node.view.is_supernode and entry.node.current_term() > term
 
 
+def by_choice(events: list) -> dict[int, list[int]]:
+    """Each choice's token ids, from a stream's events."""
+    out: dict[int, list[int]] = {}
+    for e in events:
+        for c in e.get("choices", []) if isinstance(e, dict) else ():
+            out.setdefault(c["index"], []).extend(c["token_ids"])
+    return out
+
+
+async def test_several_choices_survive_the_supernode_lost_mid_stream(tiny_model_dir, tmp_path):
+    """n = 2 under a seed (streamed) and two prompts (whole) through the entry peer: the
+    supernode dies in their middle, and each choice goes on at the next supernode from its
+    own history (a choice already whole is not run again): every choice, its finish and the
+    usage are what the unfaulted supernode answers."""
+    seeded = greedy(max_tokens=TOKENS, n=2, temperature=0.8, seed=3, stream_options={"include_usage": True})
+    prompts = greedy(prompt=[PROMPT, "Once upon a time"], max_tokens=TOKENS)
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            calm = await stream(http, sup.url, seeded)
+            status, calm_whole = await post(http, sup.url, prompts)
+            assert status == 200 and len(calm_whole["choices"]) == 2
+            want = by_choice(calm)
+            assert len(want) == 2 and want[0] != want[1], "the two samples should differ"
+            # The resubmission's own fields, straight: choice 0 whole, choice 1 from its 5th token.
+            status, rest = await post(http, sup.url, prompts | {"meshd_resume": [calm_whole["choices"][0]["token_ids"],
+                                                                                  calm_whole["choices"][1]["token_ids"][:5]],
+                                                                 "meshd_finished": [0]})
+            assert status == 200 and [c["index"] for c in rest["choices"]] == [1], rest
+            assert rest["choices"][0]["token_ids"] == calm_whole["choices"][1]["token_ids"][5:], rest  # after its history
+            for bad in ({"meshd_resume": [1, 2]}, {"meshd_finished": [0, 1]}, {"meshd_finished": [2]}):
+                status, err = await post(http, sup.url, prompts | bad)
+                assert status == 400 and err["error"]["param"] in ("meshd_resume", "meshd_finished"), (bad, err)
+
+            async def kill_after_a_few(events: list) -> None:
+                if len(token_ids(events)) >= 6 and not sup.task.cancelling():
+                    sup.task.cancel()  # the supernode dies: no drain, its links and sockets just close
+
+            with capture_logs() as logs:
+                whole = asyncio.create_task(post(http, entry.url, prompts))
+                events = await stream(http, entry.url, seeded, on_event=kill_after_a_few)
+                status, got_whole = await asyncio.wait_for(whole, 60)
+        with contextlib.suppress(asyncio.CancelledError):
+            await sup.task
+    assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+    assert by_choice(events) == want
+    finishes = {c["index"]: c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", [])
+                if c.get("finish_reason")}
+    assert finishes == {c["index"]: c["finish_reason"] for e in calm if isinstance(e, dict)
+                        for c in e.get("choices", []) if c.get("finish_reason")}
+    usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage[-1] == [e["usage"] for e in calm if isinstance(e, dict) and e.get("usage")][-1], usage
+    assert status == 200, got_whole
+    assert [(c["token_ids"], c["text"], c["finish_reason"]) for c in got_whole["choices"]] == \
+        [(c["token_ids"], c["text"], c["finish_reason"]) for c in calm_whole["choices"]]
+    assert got_whole["usage"] == calm_whole["usage"], (got_whole["usage"], calm_whole["usage"])
+    assert len([e for e in logs if e.get("event") == "proxy_resubmit"]) >= 2, "both requests were resubmitted"
+
+
 async def test_a_stream_cut_while_the_supernode_lives_goes_on_within_the_heartbeat_bound(tiny_model_dir, tmp_path):
     """The supernode's side of one tunneled stream ends (its task cancelled: no last reply)
     while the supernode and its link live on: nothing changes in the mesh, so the entry
@@ -218,8 +276,8 @@ async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
 
 async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_path):
     """A peer that outranks the supernode joins mid-stream: the supernode yields at once,
-    and both streams (one through the entry peer, one sent straight to the old
-    supernode) go on at the new one, token for token the unfaulted answer, without
+    and the streams (one through the entry peer, one sent straight to the old supernode,
+    and one of two choices sent straight to it) go on at the new one, token for token the unfaulted answer, without
     waiting out a timer."""
     n = 48
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, n)
@@ -231,11 +289,12 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
                 via_entry = asyncio.create_task(stream(http, entry.url, greedy(max_tokens=n), on_event=note))
                 straight = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n)))
                 whole = asyncio.create_task(post(http, sup.url, greedy(max_tokens=n)))
+                pair = asyncio.create_task(stream(http, sup.url, greedy(max_tokens=n, n=2)))
                 await asyncio.wait_for(started.wait(), 60)
                 async with running_node(tiny_model_dir, tmp_path / "big", name="big", advertise_vram=16 * GiB,
                                         secret_file=tmp_path / "secret", debug_layer_delay_ms=15.0,
                                         peer=(f"127.0.0.1:{port(sup)}", f"127.0.0.1:{port(entry)}")) as big:
-                    results = await asyncio.wait_for(asyncio.gather(via_entry, straight, whole), 90)
+                    results = await asyncio.wait_for(asyncio.gather(via_entry, straight, whole, pair), 90)
                     assert big.node.view.is_supernode and not sup.node.view.is_supernode
         for events in results[:2]:
             assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events
@@ -243,8 +302,11 @@ async def test_a_supernode_that_yields_hands_its_streams_on(tiny_model_dir, tmp_
         status, body = results[2]
         assert status == 200 and body["choices"][0]["token_ids"] == want, body
         assert body["choices"][0]["finish_reason"] == "length"
+        events = results[3]  # n = 2, straight at the old supernode: both choices go on
+        assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+        assert by_choice(events) == {0: want, 1: want}
         assert [e for e in logs if e.get("event") == "supernode_yields"], "the supernode did not yield mid-stream"
-        assert len([e for e in logs if e.get("event") == "session_handed_on"]) == 2, "its own requests went on"
+        assert len([e for e in logs if e.get("event") == "session_handed_on"]) == 3, "its own requests went on"
         assert [e for e in logs if e.get("event") == "proxy_resubmit"]
 
 

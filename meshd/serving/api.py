@@ -272,12 +272,14 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
     sessions = trace.sessions = []
     trace.admit()
     try:
-        for i in range(req.choices):
-            sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume),
-                                                req.priority, client, cid, trace=trace if i == 0 else None))
+        runs = req.to_run()  # a resubmission does not run again the choices already whole
+        for i in runs:
+            sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume_of(i)),
+                                                req.priority, client, cid, trace=trace if i == runs[0] else None))
+        by_choice = dict(zip(runs, sessions))
         if req.stream:
-            return await _stream(request, node, req, sessions, tokenizer, body, cid)
-        return await _whole(request, node, req, sessions, tokenizer, body, cid)
+            return await _stream(request, node, req, by_choice, tokenizer, body, cid)
+        return await _whole(request, node, req, by_choice, tokenizer, body, cid)
     finally:
         for s in sessions:
             await node.scheduler.close(s)  # any that never got to stream
@@ -302,10 +304,10 @@ def fingerprint(model: str) -> str:
 def _hands_on(request: web.Request, node: Daemon, req: CompletionRequest, failure: BaseException | None) -> bool:
     """Whether a request this supernode began goes on at the next one: it yielded (also
     when it stops: it handed the lead on first, and waits for what it relays; not if it
-    still leads, alone), one choice ran, and a client sent it here (an entry peer that
-    forwarded it resubmits it itself)."""
-    return (isinstance(failure, SupernodeChanged) and req.choices == 1
-            and not (node.stopping and node.view.is_supernode) and not _mesh_peer(request))
+    still leads, alone), and a client sent it here (an entry peer that forwarded it
+    resubmits it itself). Every choice goes on from what it was sent."""
+    return (isinstance(failure, SupernodeChanged) and not (node.stopping and node.view.is_supernode)
+            and not _mesh_peer(request))
 
 
 def _token_text(tokenizer):
@@ -318,8 +320,9 @@ def _token_text(tokenizer):
 
 async def _choice_events(node: Daemon, req: CompletionRequest, index: int, session, usage: Usage, tokenizer):
     """One choice's stream choices (see ChoiceWriter)."""
-    resumed = tokenizer.decode(list(req.resume)) if req.resume else ""
-    echo = req.prompt_texts[index // req.n] if req.echo and not req.resume else ""
+    resume = req.resume_of(index)
+    resumed = tokenizer.decode(list(resume)) if resume else ""
+    echo = req.prompt_texts[index // req.n] if req.echo and not req.resumed else ""
     writer = ChoiceWriter(req, index, _token_text(tokenizer), echo=echo, resumed_text=resumed)
     async for chunk in node.metrics.observe(node.scheduler.stream(session, usage)):
         choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
@@ -332,7 +335,7 @@ def _prompt_tokens(req: CompletionRequest) -> int:
     return sum(len(p) for p in req.prompts) * req.n
 
 
-async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, sessions: list, tokenizer,
+async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict, tokenizer,
                  body: dict, cid: str) -> web.StreamResponse:
     usage = Usage()
     acc = Assembler(req.chat)
@@ -342,18 +345,17 @@ async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, ses
             acc.add({"choices": [choice]})
 
     try:
-        await asyncio.gather(*(one(i) for i in range(req.choices)))
+        await asyncio.gather(*(one(i) for i in sessions))
     except SupernodeChanged as exc:
         if not _hands_on(request, node, req, exc):
             raise
-        log.info("session_handed_on", tokens=len(acc.first_ids), reason=str(exc))
-        return await proxy_completion(node, request, body, req.chat,
-                                      Handoff(cid, None, list(acc.first_ids), acc.first_text))
+        log.info("session_handed_on", tokens=len(acc.first_ids), choices=len(sessions), reason=str(exc))
+        return await proxy_completion(node, request, body, req.chat, Handoff(cid, None, acc))
     return web.json_response(response_json(req, cid, acc.choices(), _prompt_tokens(req), usage.completion_tokens,
                                            fingerprint(req.model)))
 
 
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, sessions: list,
+async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict,
                   tokenizer, body: dict, cid: str) -> web.StreamResponse:
     fp = fingerprint(req.model)
     resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -371,7 +373,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
 
     async def write_events() -> None:
         finished = 0
-        while finished < req.choices:
+        while finished < len(sessions):
             try:
                 async with asyncio.timeout(KEEPALIVE_S):  # no task per event, as wait_for makes
                     item = await queue.get()
@@ -395,7 +397,7 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
     gone, failure = False, None
     try:
         async with asyncio.TaskGroup() as tg:
-            for i in range(req.choices):
+            for i in sessions:
                 tg.create_task(one(i))
             tg.create_task(write_events())
     except* ConnectionResetError:
@@ -407,9 +409,8 @@ async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, se
         log.info("client_gone", path=request.path)
         return resp
     if _hands_on(request, node, req, failure):
-        log.info("session_handed_on", tokens=len(sent.first_ids), reason=str(failure))
-        return await proxy_completion(node, request, body, req.chat,
-                                      Handoff(cid, resp, list(sent.first_ids), sent.first_text))
+        log.info("session_handed_on", tokens=len(sent.first_ids), choices=len(sessions), reason=str(failure))
+        return await proxy_completion(node, request, body, req.chat, Handoff(cid, resp, sent))
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
         status = 503 if isinstance(failure, NoCapacity) else 400 if isinstance(failure, InvalidParams) else 500

@@ -35,7 +35,7 @@ NO_TEMPLATE = ("this model has no chat template, so there is no telling how it e
 # What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
            "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
-           "meshd_resume", "meshd_priority", "min_tokens", "ignore_eos"}
+           "meshd_resume", "meshd_finished", "meshd_priority", "min_tokens", "ignore_eos"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -65,8 +65,10 @@ class CompletionRequest:
     params: SamplingParams  # max_tokens: as asked, or the rest of the first prompt's context
     n: int
     stream: bool
-    # meshd extension: tokens already generated (a resubmission after a supernode loss).
-    resume: tuple[int, ...] = ()
+    # meshd extension: each choice's tokens already generated, and the choices already
+    # whole (a resubmission after a supernode change: see _resumes).
+    resumes: tuple[tuple[int, ...], ...] = ()
+    finished: frozenset[int] = frozenset()
     include_usage: bool = False
     echo: bool = False
     max_tokens_given: bool = True
@@ -97,6 +99,18 @@ class CompletionRequest:
 
     def prompt_of(self, choice: int) -> list[int]:
         return list(self.prompts[choice // self.n])
+
+    def resume_of(self, choice: int) -> tuple[int, ...]:
+        """The tokens choice ``i`` already has (a resubmission goes on after them)."""
+        return self.resumes[choice] if choice < len(self.resumes) else ()
+
+    @property
+    def resumed(self) -> bool:
+        return any(self.resumes) or bool(self.finished)
+
+    def to_run(self) -> list[int]:
+        """The choices this request runs: all but those already whole."""
+        return [i for i in range(self.choices) if i not in self.finished]
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False):
@@ -434,11 +448,8 @@ def parse_request(
             param=key, code="context_length_exceeded")
     if grammar_text is not None:
         _check_fits(body, tools, max_tokens, tokenizer.max_token_chars, key)
-    resume = body.get("meshd_resume") or []
-    if not isinstance(resume, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in resume):
-        raise BadRequest("meshd_resume must be a list of token ids", param="meshd_resume")
-    if resume and (n != 1 or len(prompts) != 1):
-        raise BadRequest("meshd_resume needs one prompt and n = 1", param="meshd_resume")
+    resumes, finished = _resumes(body, len(prompts) * n, tokenizer.vocab_size)
+    resume = any(resumes) or finished
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("seed must be an integer", param="seed")
@@ -472,8 +483,32 @@ def parse_request(
     priority = body.get("meshd_priority", "interactive")
     if priority not in ("interactive", "batch"):
         raise BadRequest('meshd_priority must be "interactive" or "batch"', param="meshd_priority")
-    return CompletionRequest(chat, model, prompts, params, n, stream, tuple(resume), include_usage, echo,
+    return CompletionRequest(chat, model, prompts, params, n, stream, resumes, finished, include_usage, echo,
                              given, context, tools, texts, Priority[priority.upper()])
+
+
+def _resumes(body: dict, choices: int, vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
+    """meshd's resubmission fields (an entry peer's, after a supernode change): ``meshd_resume``,
+    the tokens each choice already has (one list of ids for a single choice, or one list per
+    choice), and ``meshd_finished``, the choices already whole, which are not run again."""
+    def ids(v: object) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                           for t in v)
+
+    raw = body.get("meshd_resume") or []
+    if ids(raw) and (choices == 1 or not raw):
+        resumes = (tuple(raw),) if raw else ()
+    elif isinstance(raw, list) and len(raw) == choices and all(ids(v) for v in raw):
+        resumes = tuple(tuple(v) for v in raw)
+    else:
+        raise BadRequest(f"meshd_resume must be a list of token ids, or one such list for each of the {choices} "
+                         "choices", param="meshd_resume")
+    done = body.get("meshd_finished") or []
+    if (not isinstance(done, list) or len(set(done)) != len(done) or len(done) >= choices
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < choices for i in done)):
+        raise BadRequest(f"meshd_finished must list distinct choice indices below {choices}, leaving one to run",
+                         param="meshd_finished")
+    return resumes, frozenset(done)
 
 
 def tokenize_chat(body: dict, tokenizer: MeshTokenizer, context: int) -> list[int]:

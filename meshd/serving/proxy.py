@@ -15,6 +15,7 @@ The supernode hands its own requests on through here too when it yields
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from dataclasses import dataclass
 
@@ -43,20 +44,53 @@ FINISHED = ("stop", "length", "tool_calls")
 
 
 class _Answer(Assembler):
-    """What the client has been sent so far, per choice (and, of choice 0, the leading
+    """What the client has been sent so far, per choice (with, per choice, the leading
     tokens the client itself sent as meshd_resume, which are not answered back)."""
 
     def __init__(self, chat: bool):
         super().__init__(chat)
-        self.resumed = 0
+        self.resumed: dict[int, int] = {}  # choice -> tokens the client sent as its own meshd_resume
+        self.skipped_tokens = 0  # of the choices already whole when the last resubmission went out
 
-    def seed(self, ids: list[int], text: str = "") -> None:
-        """Choice 0 begins with these tokens (and text): already sent, or the client's own."""
-        self.add({"choices": [{"index": 0, "token_ids": ids, "text": text, "delta": {"content": text}}]})
+    def seed(self, index: int, ids: list[int]) -> None:
+        """Choice ``index`` begins with these tokens, the client's own (meshd_resume)."""
+        self.add({"choices": [{"index": index, "token_ids": ids, "text": ""}]})
+        self.resumed[index] = len(ids)
+
+    def take(self, sent: Assembler) -> None:
+        """What a yielding supernode already sent of each choice (a Handoff)."""
+        for i, p in sent.parts.items():
+            self.add({"choices": [{"index": i, "token_ids": p["ids"], "text": "".join(p["text"]),
+                                   "delta": {"content": "".join(p["text"])}, "finish_reason": p["finish"]}]})
+            self.parts[i]["calls"], self.parts[i]["lp"] = copy.deepcopy(p["calls"]), copy.deepcopy(p["lp"])
 
     @property
     def generated(self) -> bool:
-        return len(self.first_ids) > self.resumed or any(p["ids"] for i, p in self.parts.items() if i)
+        return any(len(p["ids"]) > self.resumed.get(i, 0) for i, p in self.parts.items())
+
+    def resubmission(self, body: dict, several: bool) -> dict:
+        """The upstream body that goes on where this answer stopped: each choice's history
+        (``meshd_resume``; one list per choice where the request has ``several``) and the
+        choices already whole (``meshd_finished``), which the next supernode does not run."""
+        out = dict(body, stream=True, stream_options={"include_usage": True})
+        if not several:
+            if self.first_ids:
+                out["meshd_resume"] = list(self.first_ids)
+            return out
+        if self.parts:
+            out["meshd_resume"] = [list(self.parts[i]["ids"]) if i in self.parts else [] for i in range(max(self.parts) + 1)]
+        done = sorted(i for i, p in self.parts.items() if p["finish"] in FINISHED)
+        if done:
+            out["meshd_finished"] = done
+        self.skipped_tokens = sum(len(self.parts[i]["ids"]) for i in done)
+        return out
+
+    def counted(self, usage: dict) -> dict:
+        """The upstream's usage, with the tokens of the choices it did not run again."""
+        if not self.skipped_tokens or not isinstance(usage.get("completion_tokens"), int):
+            return usage
+        return dict(usage, completion_tokens=usage["completion_tokens"] + self.skipped_tokens,
+                    total_tokens=usage.get("prompt_tokens", 0) + usage["completion_tokens"] + self.skipped_tokens)
 
     @property
     def finished(self) -> bool:
@@ -64,20 +98,20 @@ class _Answer(Assembler):
 
     def whole(self, cid: str) -> dict:
         answer = super().whole(cid)
-        if self.resumed and answer["choices"]:
-            answer["choices"][0]["token_ids"] = answer["choices"][0]["token_ids"][self.resumed:]
+        for choice in answer["choices"]:
+            if cut := self.resumed.get(choice.get("index", 0)):
+                choice["token_ids"] = choice["token_ids"][cut:]
         return answer
 
 
 @dataclass
 class Handoff:
     """A request the supernode began itself and hands on when it yields: the id the
-    client knows, its response if streaming began, and the tokens and text sent."""
+    client knows, its response if streaming began, and what each choice was sent."""
 
     cid: str
     resp: web.StreamResponse | None
-    ids: list[int]
-    text: str
+    sent: Assembler
 
 
 class _Retry(Exception):
@@ -160,20 +194,20 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
 
 async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: bool,
                             handoff: Handoff | None) -> web.StreamResponse:
-    n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
+    several = _several_choices(body)
     cid = handoff.cid if handoff else completion_id(chat)
     answer = _Answer(chat)
     resume = body.get("meshd_resume")
-    if n == 1 and isinstance(resume, list) and all(isinstance(t, int) for t in resume):
-        answer.seed(resume)  # the supernode checks them; a resubmission starts after them
-        answer.resumed = len(resume)
+    if isinstance(resume, list) and resume:  # the client's own: the supernode checks them
+        for i, ids in enumerate(resume if several else [resume]):
+            if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+                answer.seed(i, ids)
     if handoff is not None:
-        answer.seed(handoff.ids, handoff.text)
+        answer.take(handoff.sent)
     resubmits = 0
     while True:
-        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
-        if answer.first_ids:
-            upstream_body["meshd_resume"] = list(answer.first_ids)
+        upstream_body = answer.resubmission(body, several) if resubmits or handoff else \
+            dict(body, stream=True, stream_options={"include_usage": True})
         mark = node.upstream_mark()
         try:
             refused = await _relay(node, upstream_body, answer, chat, cid, client)
@@ -187,11 +221,11 @@ async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: b
                 return web.json_response(answer.whole(cid))
             return await client.end()
         except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
-            # The supernode went away, yielded or stops mid-answer. One choice can be
-            # resumed from its token history; several only if nothing was generated yet.
+            # The supernode went away, yielded or stops mid-answer. Each choice goes on
+            # from its token history; those already whole are not run again.
             resubmits += 1
             why = f"the supernode could not finish the request: {exc or type(exc).__name__}"
-            if resubmits > MAX_RESUBMITS or ((n > 1 or len(answer.parts) > 1) and answer.generated):
+            if resubmits > MAX_RESUBMITS:
                 log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits, tokens_so_far=len(answer.first_ids))
                 if client.resp is None:
                     raise NoCapacity(why) from None
@@ -211,6 +245,14 @@ async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: b
             if client.resp is None:
                 raise
             return await client.end(error_json(f"the mesh cannot serve now: {exc}", 503))
+
+
+def _several_choices(body: dict) -> bool:
+    """Whether the request asks for more than one choice (n > 1, or several prompts): its
+    resubmission then names each choice's history."""
+    n, prompt = body.get("n", 1), body.get("prompt")
+    return (isinstance(n, int) and n > 1) or (isinstance(prompt, list) and len(prompt) > 1
+                                               and all(isinstance(p, (str, list)) for p in prompt))
 
 
 async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: bool, cid: str,
@@ -250,6 +292,8 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
                 return _Refused(503 if code == "mesh_unavailable" else 500, json.dumps(event).encode())
             if "choices" in event or "usage" in event:
                 event["id"] = cid
+                if event.get("usage"):
+                    event["usage"] = answer.counted(event["usage"])
                 answer.add(event)
             if client.stream and (event.get("choices") or client.usage):
                 resp = await client.prepared()
