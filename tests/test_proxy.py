@@ -185,6 +185,33 @@ async def test_a_stream_cut_while_the_supernode_lives_goes_on_within_the_heartbe
         assert took < 2 * bound + 1 + 5, took
 
 
+async def test_a_stream_cut_again_and_again_goes_on_while_each_attempt_gets_tokens_out(tiny_model_dir, tmp_path):
+    """Six cuts of one tunneled stream, each once a few more tokens came through (a long
+    answer meeting fault after fault): each resubmission made progress, so the proxy goes on
+    (it gave up after four, whatever came through between them: a soak saw a stream meet five
+    faults in 30 s and end in an error). The stream is the unfaulted one, exactly."""
+    want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, TOKENS)
+    cuts = 6
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, heartbeat_s=0.3) as (sup, entry):
+        cut_at: list[int] = []
+
+        async def cut_every_three(events: list) -> None:
+            n = len(token_ids(events))
+            if len(cut_at) < cuts and n >= 3 * (len(cut_at) + 1):
+                running = list(sup.node.tunnel._running.values())
+                if running:
+                    running[0].cancel()
+                    cut_at.append(n)
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            with capture_logs() as logs:
+                events = await stream(http, entry.url, greedy(max_tokens=TOKENS), on_event=cut_every_three)
+    assert len(cut_at) == cuts, cut_at
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+    assert token_ids(events) == want
+    assert len([e for e in logs if e.get("event") == "proxy_resubmit"]) >= cuts
+
+
 async def raw_status(url: str, request: bytes) -> int:
     """The status of one raw HTTP/1.1 request (bytes a client library would refuse to send)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -39,6 +39,10 @@ from meshd.serving.openai import (
 
 log = structlog.get_logger()
 
+# Resubmissions in a row that add no token before the proxy gives up. An attempt that
+# got tokens out starts the count again: a long answer may live through several faults
+# (a soak saw one stream meet five in 30 s, each time going on), and each further
+# attempt still needs a token to be worth another.
 MAX_RESUBMITS = 4
 FINISHED = ("stop", "length", "tool_calls")
 
@@ -63,6 +67,10 @@ class _Answer(Assembler):
             self.add({"choices": [{"index": i, "token_ids": p["ids"], "text": "".join(p["text"]),
                                    "delta": {"content": "".join(p["text"])}, "finish_reason": p["finish"]}]})
             self.parts[i]["calls"], self.parts[i]["lp"] = copy.deepcopy(p["calls"]), copy.deepcopy(p["lp"])
+
+    def tokens(self) -> int:
+        """Tokens the client has of every choice (its own meshd_resume included)."""
+        return sum(len(p["ids"]) for p in self.parts.values())
 
     @property
     def generated(self) -> bool:
@@ -204,9 +212,10 @@ async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: b
                 answer.seed(i, ids)
     if handoff is not None:
         answer.take(handoff.sent)
-    resubmits = 0
+    resubmits = attempts = 0
+    had = answer.tokens()
     while True:
-        upstream_body = answer.resubmission(body, several) if resubmits or handoff else \
+        upstream_body = answer.resubmission(body, several) if attempts or handoff else \
             dict(body, stream=True, stream_options={"include_usage": True})
         mark = node.upstream_mark()
         try:
@@ -223,14 +232,17 @@ async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: b
         except (_Retry, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             # The supernode went away, yielded or stops mid-answer. Each choice goes on
             # from its token history; those already whole are not run again.
-            resubmits += 1
+            attempts += 1
+            resubmits = 1 if answer.tokens() > had else resubmits + 1
+            had = answer.tokens()
             why = f"the supernode could not finish the request: {exc or type(exc).__name__}"
             if resubmits > MAX_RESUBMITS:
                 log.warning("proxy_gave_up", error=str(exc), resubmits=resubmits, tokens_so_far=len(answer.first_ids))
                 if client.resp is None:
                     raise NoCapacity(why) from None
                 return await client.end(error_json(why, 503))
-            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.first_ids), attempt=resubmits)
+            log.warning("proxy_resubmit", error=str(exc), tokens_so_far=len(answer.first_ids), attempt=attempts,
+                        without_progress=resubmits)
             try:
                 if not isinstance(exc, _Retry) or exc.moved:
                     await node.wait_upstream_change(mark, same_again=not (isinstance(exc, _Retry) and exc.told))
