@@ -88,6 +88,9 @@ class Config:
     # and the size bound of the batch store (SQLite in the state dir: files, results).
     batch_concurrency: int = 32
     batch_max_bytes: int = 1 << 30
+    # A peer holding a replica of another peer's running batch job takes it over (runs
+    # its remaining lines, answers for it) once that peer has been gone this long.
+    batch_takeover_s: float = 120.0
     # Finished sessions whose KV stays on the stages for a new request that starts
     # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
     prefix_cache_entries: int = 32
@@ -144,6 +147,8 @@ class Config:
             raise ConfigError("batch_concurrency: must be from 1 to 1024")
         if self.batch_max_bytes < 1 << 20:
             raise ConfigError("batch_max_bytes: must be at least 1 MiB")
+        if not 1.0 <= self.batch_takeover_s <= 30 * 86400:
+            raise ConfigError("batch_takeover_s: must be from 1 second to 30 days")
         if not 0 <= self.prefix_cache_entries <= 4096:
             raise ConfigError("prefix_cache_entries: must be 0 (off) to 4096")
         if self.heartbeat_s <= 0 or self.missed_beats < 1:

@@ -176,7 +176,7 @@ class Node:
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
         self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_leave, self.spawn,
-                                          self.local_token)
+                                          self.local_token, lambda peer, body: self.batches.on_replica(peer, body))
         self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost,
                                  on_beat=self.leader.beat)

@@ -189,6 +189,73 @@ def test_owners_see_their_own_and_only_the_operator_sees_records_from_before_own
         assert [b["id"] for b in s.list_batches(10, None, remote)] == ["batch_new"]
         assert s.list_batches(10, None, other) == []
         assert operator.sees(s.get_file("file-old")) and not remote.sees(s.get_file("file-old"))
-        assert s.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "2"
+        assert s.db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "3"
     finally:
         s.close()
+
+
+def _replicate(home: BatchStore, holder: BatchStore, batch_id: str) -> str:
+    """What a home's snapshot carries to its holder, through the two stores' own methods."""
+    batch, results = home.snapshot(batch_id)
+    head = {k: batch[k] for k in ("id", "status", "input_file_id", "endpoint", "completion_window", "created_at",
+                                  "expires_at", "in_progress_at", "owner", "runnable", "total")}
+    head["metadata"] = json.loads(batch["metadata"]) if batch["metadata"] else None
+    counts = {k: batch[k] for k in ("completed", "failed", "input_tokens", "output_tokens")}
+    assert holder.hold_replica("home-1", head, [], [(i, ok, r, 0, 0) for i, ok, r in results], counts, True) == "ok"
+    return holder.hold_replica("home-1", head, home.lines_page(batch_id, 0, 100), [])
+
+
+def test_a_replica_holds_a_peers_batch_apart_until_taken_over_and_then_runs_what_is_left(tmp_path):
+    home, holder = (BatchStore(tmp_path / name / DB_NAME, 64 << 20) for name in ("home", "holder"))
+    home.open()
+    holder.open()
+    try:
+        upload(home, b"\n".join([line("a"), line("b"), b"junk", line("d")]))
+        home.create_batch("batch_1", "file-1", EP, "24h", 2**31, {"k": "v"}, owner="key-hash")
+        validate_input(home, "batch_1", "file-1", EP)
+        home.put_result("batch_1", 1, True, '{"a": 1}', 2, 5)
+        assert _replicate(home, holder, "batch_1") == "ok"
+        # Apart: the holder's own listings, restarts and API never see another peer's batch.
+        assert holder.list_batches(10, None) == [] and holder.unfinished() == []
+        assert [(r["id"], r["home"]) for r in holder.replicas()] == [("batch_1", "home-1")]
+        # Later results: each counted once, however often it comes; the batch's status follows.
+        result = (2, True, '{"b": 1}', 3, 7)
+        head = {"id": "batch_1", "status": Status.IN_PROGRESS}
+        assert holder.hold_replica("home-1", head, [], [result]) == "ok"
+        assert holder.hold_replica("home-1", head, [], [result]) == "ok"
+        row = holder.get_batch("batch_1")
+        assert (row["completed"], row["failed"], row["output_tokens"], row["owner"]) == (1 + 1, 1, 5 + 7, "key-hash")
+        # Another peer cannot write to it; a sync for a batch the holder lost asks for a copy.
+        assert holder.hold_replica("home-2", head, [], [result]) == "conflict"
+        assert holder.hold_replica("home-1", head | {"id": "batch_2"}, [], []) == "need"
+        taken = holder.take_over("batch_1")
+        assert taken["home"] is None and (taken["completed"], taken["failed"]) == (2, 1)
+        assert [ln.custom_id for ln in holder.pending_lines("batch_1", 0, 10)] == ["d"]
+        assert [r["id"] for r in holder.unfinished()] == ["batch_1"] and holder.replicas() == []
+        # The home, back, is told its batch runs elsewhere now.
+        assert holder.hold_replica("home-1", head, [], []) == "taken"
+    finally:
+        home.close()
+        holder.close()
+
+
+def test_a_replica_missing_lines_is_not_taken_over_and_a_dropped_one_is_gone(tmp_path):
+    home, holder = (BatchStore(tmp_path / name / DB_NAME, 64 << 20) for name in ("home", "holder"))
+    home.open()
+    holder.open()
+    try:
+        upload(home, b"\n".join(line(f"c{i}") for i in range(3)))
+        home.create_batch("batch_1", "file-1", EP, "24h", 2**31, None)
+        validate_input(home, "batch_1", "file-1", EP)
+        batch, _ = home.snapshot("batch_1")
+        head = {k: batch[k] for k in ("id", "status", "input_file_id", "endpoint", "completion_window", "created_at",
+                                      "expires_at", "in_progress_at", "owner", "runnable", "total")} | {"metadata": None}
+        zero = dict.fromkeys(("completed", "failed", "input_tokens", "output_tokens"), 0)
+        holder.hold_replica("home-1", head, home.lines_page("batch_1", 0, 2), [], zero, True)  # cut short
+        assert holder.take_over("batch_1") is None and holder.unfinished() == []
+        assert not holder.drop_replica("home-2", "batch_1")  # only its home drops it
+        assert holder.drop_replica("home-1", "batch_1") and holder.replicas() == []
+        assert holder.pending_lines("batch_1", 0, 10) == []
+    finally:
+        home.close()
+        holder.close()

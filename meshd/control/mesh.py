@@ -171,6 +171,12 @@ class MeshView:
     def elected(self) -> NodeId:
         return elect(self.candidates())
 
+    def successor(self) -> NodeId | None:
+        """The peer that would lead were this one gone (the supernode, when this peer is
+        not it); None alone. Where a batch job's replica goes (``serving/batch.py``)."""
+        others = [c for c in self.candidates() if c.node_id != self.node_id]
+        return elect(others) if others else None
+
     def hop_ms(self) -> float:
         """The median of the links' RTT floors, the cost of sending a span off the supernode."""
         rtts = sorted(f for link in self.live_links().values() if (f := link.rtt_floor_ms) is not None)

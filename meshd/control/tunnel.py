@@ -41,6 +41,10 @@ TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/
 # route leads here: a member's client can reach only /v1/mesh/drain, which the supernode
 # runs through its own API (its Host, key and caller checks) like any other call.
 LEAVE = "/mesh/leave"
+# A peer's batch jobs, replicated to the peer that would lead without it (the supernode,
+# or the next one when it is the supernode): no HTTP route leads here either, and a peer
+# may only write replicas of its own batches (``BatchRunner.on_replica`` keys them by it).
+REPLICA = "/mesh/batch-replica"
 # ...and what it may read (GET): the live figures and request timelines it shows for the mesh.
 READABLE = re.compile(r"/live(\?since=[0-9]{1,15})?|/traces(\?limit=[0-9]{1,4})?|/traces/[A-Za-z0-9._:-]{1,128}")
 _HEADER_VALUE = re.compile(r"[\x20-\x7e]{0,4096}")
@@ -147,8 +151,10 @@ class TunnelServer:
     """The supernode's side: runs tunneled requests against its own API on loopback."""
 
     def __init__(self, http: Callable[[], aiohttp.ClientSession], own_url: Callable[[], str],
-                 leave: Callable[[str], Awaitable[tuple[int, bytes]]], spawn: Callable, local_token: str):
+                 leave: Callable[[str], Awaitable[tuple[int, bytes]]], spawn: Callable, local_token: str,
+                 replica: Callable[[str, bytes], Awaitable[tuple[int, bytes]]]):
         self._http, self._own_url, self._leave, self._spawn = http, own_url, leave, spawn
+        self._replica = replica
         self._local_token = local_token
         self._running: dict[tuple[str, int], asyncio.Task] = {}
 
@@ -171,6 +177,9 @@ class TunnelServer:
                 await self._loopback(link, msg)
             elif msg.method == "POST" and msg.path == LEAVE:  # the member itself, never another peer
                 status, body = await self._leave(link.peer_id)
+                await link.send(ApiReply(msg.req, status, body, 1))
+            elif msg.method == "POST" and msg.path == REPLICA:  # that peer's own batches only
+                status, body = await self._replica(link.peer_id, msg.body)
                 await link.send(ApiReply(msg.req, status, body, 1))
             elif msg.method != "POST" or msg.path not in TUNNELED:
                 await link.send(ApiReply(msg.req, 404, b'{"error": {"message": "not through the tunnel"}}', 1))

@@ -40,7 +40,7 @@ from typing import IO
 from meshd.errors import StorageFull
 
 DB_NAME = "batch.sqlite3"
-SCHEMA_VERSION = 2  # 2: files and batches keep an owner
+SCHEMA_VERSION = 3  # 2: files and batches keep an owner; 3: batches replicated from other peers
 LEGACY_OWNER = "legacy"  # records written before owners were kept
 BLOB_CHUNK = 1 << 20
 # The disk keeps at least this much free beyond what an upload needs: SQLite's WAL
@@ -188,6 +188,10 @@ class BatchStore:
         for table in ("files", "batches"):  # a store from before owners: its records become legacy
             if "owner" not in {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT '{LEGACY_OWNER}'")
+        have = {r["name"] for r in db.execute("PRAGMA table_info(batches)")}
+        for column, kind in (("home", "TEXT"), ("heard_at", "REAL"), ("runnable", "INTEGER")):
+            if column not in have:  # a store from before replicas: every batch is this peer's own
+                db.execute(f"ALTER TABLE batches ADD COLUMN {column} {kind}")
         db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
         self._db = db
 
@@ -319,8 +323,8 @@ class BatchStore:
         return dict(row) if row else None
 
     def list_batches(self, limit: int, after: str | None, owner: Owner | None = None) -> list[dict]:
-        """A page of the batches ``owner`` sees (None: all), newest first."""
-        where, args = [], []
+        """A page of this peer's own batches that ``owner`` sees (None: all), newest first."""
+        where, args = ["home IS NULL"], []
         if owner is not None:
             cond, values = owner.where()
             where.append(cond)
@@ -333,9 +337,9 @@ class BatchStore:
         return [dict(r) for r in rows]
 
     def unfinished(self) -> list[dict]:
-        """Batches a restart must take up again, oldest first."""
-        rows = self.db.execute(f"SELECT * FROM batches WHERE status NOT IN ({','.join('?' * len(TERMINAL))}) "
-                               "ORDER BY rowid", tuple(TERMINAL))
+        """This peer's own batches that a restart must take up again, oldest first."""
+        rows = self.db.execute(f"SELECT * FROM batches WHERE home IS NULL AND status NOT IN "
+                               f"({','.join('?' * len(TERMINAL))}) ORDER BY rowid", tuple(TERMINAL))
         return [dict(r) for r in rows]
 
     def set_status(self, batch_id: str, status: Status, errors: list[dict] | None = None) -> dict:
@@ -410,4 +414,94 @@ class BatchStore:
                        f"{', errors = ?' if errors is not None else ''} WHERE id = ?",
                        (status, now, ids["output"], ids["error"],
                         *([json.dumps(errors)] if errors is not None else []), batch_id))
+        return self.get_batch(batch_id)
+
+    # -- replicas: another peer's batches, kept here in case that peer is lost for good ----
+
+    def snapshot(self, batch_id: str) -> tuple[dict, list[tuple[int, bool, str]]]:
+        """A batch of this peer's and all its results, read together (one read on the
+        store's thread, so the counts are those of exactly these results)."""
+        rows = self.db.execute("SELECT idx, ok, record FROM results WHERE batch_id = ? ORDER BY idx", (batch_id,))
+        results = [(r["idx"], bool(r["ok"]), r["record"]) for r in rows]
+        batch = self.get_batch(batch_id)
+        batch["runnable"] = self.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()[0]
+        return batch, results
+
+    def lines_page(self, batch_id: str, after_idx: int, limit: int) -> list[Line]:
+        """A batch's runnable lines after ``after_idx``, whether they have a result or not."""
+        rows = self.db.execute("SELECT idx, custom_id, body FROM lines WHERE batch_id = ? AND idx > ? "
+                               "ORDER BY idx LIMIT ?", (batch_id, after_idx, limit))
+        return [Line(r["idx"], r["custom_id"], json.loads(r["body"])) for r in rows]
+
+    def hold_replica(self, home: str, batch: dict, lines: list[Line], results: list[tuple[int, bool, str, int, int]],
+                     counts: dict | None = None, counted: bool = False) -> str:
+        """Keep (or bring up to date) ``home``'s batch here. "taken" when this peer runs it
+        now (it took it over), "conflict" when another peer's batch has its id, "need" when
+        no replica of it is here and the call does not start one (``counts``: a snapshot's
+        first part, whose counts are those of the snapshot's results), else "ok". Results
+        ``counted`` (a snapshot's) are in the counts already; any other adds its own tokens,
+        once, however often it comes."""
+        with self._tx() as db:
+            row = db.execute("SELECT home FROM batches WHERE id = ?", (batch["id"],)).fetchone()
+            if row is not None and row["home"] is None:
+                return "taken"
+            if row is not None and row["home"] != home:
+                return "conflict"
+            if row is None and counts is None:
+                return "need"
+            if counts is not None:
+                db.execute("DELETE FROM batches WHERE id = ?", (batch["id"],))
+                db.execute("DELETE FROM lines WHERE batch_id = ?", (batch["id"],))
+                db.execute("DELETE FROM results WHERE batch_id = ?", (batch["id"],))
+                db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, metadata, status, "
+                           "created_at, expires_at, in_progress_at, owner, home, runnable, total, completed, failed, "
+                           "input_tokens, output_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           (batch["id"], batch["input_file_id"], batch["endpoint"], batch["completion_window"],
+                            json.dumps(batch["metadata"]) if batch["metadata"] else None, batch["status"],
+                            batch["created_at"], batch["expires_at"], batch["in_progress_at"], batch["owner"], home,
+                            batch["runnable"], batch["total"], counts["completed"], counts["failed"],
+                            counts["input_tokens"], counts["output_tokens"]))
+            db.execute("UPDATE batches SET status = ?, heard_at = ? WHERE id = ?",
+                       (batch["status"], time.time(), batch["id"]))
+            db.executemany("INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?)",
+                           ((batch["id"], ln.idx, ln.custom_id, json.dumps(ln.body, separators=(",", ":")))
+                            for ln in lines))
+            for idx, ok, record, tokens_in, tokens_out in results:
+                if db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
+                              (batch["id"], idx, int(ok), record)).rowcount == 1 and not counted:
+                    db.execute("UPDATE batches SET completed = completed + ?, failed = failed + ?, "
+                               "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? WHERE id = ?",
+                               (int(ok), int(not ok), tokens_in, tokens_out, batch["id"]))
+        return "ok"
+
+    def drop_replica(self, home: str, batch_id: str) -> bool:
+        """Forget ``home``'s batch (it ended there, or another peer holds it now)."""
+        with self._tx() as db:
+            if db.execute("DELETE FROM batches WHERE id = ? AND home = ?", (batch_id, home)).rowcount != 1:
+                return False
+            db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+            db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+        self.db.execute("PRAGMA incremental_vacuum")
+        return True
+
+    def replicas(self) -> list[dict]:
+        """The replicas held here: id, home, heard_at, status, total, completed, failed."""
+        rows = self.db.execute("SELECT id, home, heard_at, status, total, completed, failed FROM batches "
+                               "WHERE home IS NOT NULL ORDER BY rowid")
+        return [dict(r) for r in rows]
+
+    def take_over(self, batch_id: str) -> dict | None:
+        """Make a replica this peer's own batch, to run its lines that have no result; None
+        (nothing changes) when the replica is missing lines its home had."""
+        with self._tx() as db:
+            row = db.execute("SELECT runnable, (SELECT COUNT(*) FROM lines WHERE batch_id = ?) AS n FROM batches "
+                             "WHERE id = ? AND home IS NOT NULL", (batch_id, batch_id)).fetchone()
+            if row is None or row["n"] != row["runnable"]:
+                return None
+            # The lines counted are those with a result here (a snapshot cut short by its
+            # home's loss may have counted more); the ones without run here.
+            db.execute("UPDATE batches SET home = NULL, heard_at = NULL, runnable = NULL, "
+                       "completed = (SELECT COUNT(*) FROM results WHERE batch_id = ?1 AND ok = 1), "
+                       "failed = (SELECT COUNT(*) FROM results WHERE batch_id = ?1 AND ok = 0) WHERE id = ?1",
+                       (batch_id,))
         return self.get_batch(batch_id)

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")
     run.add_argument("--batch-max-bytes", type=int, metavar="BYTES",
                      help="size bound of the batch store in the state dir (default 1 GiB)")
+    run.add_argument("--batch-takeover-s", type=float, metavar="S",
+                     help="finish another peer's batch job from its replica here once that peer has been gone "
+                          "this long (default 120)")
     run.add_argument("--log-level")
     run.add_argument("--api-key-file", type=Path, help="API keys, one per line (Bearer) for /v1")
     run.add_argument("--control-key-file", type=Path, help="keys for control endpoints (drain)")
