@@ -103,6 +103,33 @@ def test_openai_sdk_round_trip_equals_each_request_sent_alone(daemon, client):
     assert any(b.id == batch.id for b in client.batches.list(limit=5).data)
 
 
+def test_lines_a_parser_chokes_on_are_error_records_and_the_batch_and_daemon_go_on(daemon, client):
+    """Lines nested deeper than Python's recursion, with a number past its digit limit, or
+    with a custom_id holding a lone surrogate (which the store cannot keep as text) are
+    each an error record naming its line: the rest of the batch runs, the daemon serves on."""
+    path = "/v1/completions"
+    good = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+    lines = [request_line("good", path, good),
+             b'{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": '
+             + b"[" * 100_000 + b"]" * 100_000 + b"}",
+             b'{"custom_id": "long", "method": "POST", "url": "/v1/completions", "body": {"max_tokens": '
+             + b"9" * 5000 + b"}}",
+             b'{"custom_id": "lone\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}']
+    uploaded = client.files.create(file=("hostile.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    done = wait_done(client, client.batches.create(input_file_id=uploaded.id, endpoint=path,
+                                                   completion_window="24h").id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (4, 1, 3)
+    errors = {e["custom_id"]: e["error"]["message"]
+              for e in map(json.loads, client.files.content(done.error_file_id).text.splitlines())}
+    assert "line 2" in errors["deep"] and "deeper than" in errors["deep"], errors
+    assert "line 3" in errors["long"] and "digits" in errors["long"], errors
+    assert "line 4" in errors["lone\\ud800"] and "surrogate" in errors["lone\\ud800"], errors
+    out = json.loads(client.files.content(done.output_file_id).text)
+    want = alone(daemon.url, path, good)["choices"][0]["text"]
+    assert out["custom_id"] == "good" and out["response"]["body"]["choices"][0]["text"] == want
+
+
 def test_bad_batch_requests_are_openai_errors(daemon, client):
     uploaded = client.files.create(file=("a.jsonl", io.BytesIO(jsonl([request_line("a", "/v1/completions",
                                                                                     {"prompt": "x"})]))),

@@ -9,7 +9,10 @@ import re
 import secrets
 from collections.abc import Iterator
 
+from meshd.errors import BadRequest
 from meshd.serving.batchstore import BatchStore, Line, Status
+from meshd.serving.guards import parse_json
+from meshd.serving.openai import find_surrogate
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 LINE_FIELDS = frozenset({"custom_id", "method", "url", "body"})
@@ -31,12 +34,15 @@ def check_line(raw: bytes, number: int, endpoint: str, seen: dict[str, int]) -> 
     """A runnable line, or (custom_id as far as it can be read, why not)."""
     guess = _CUSTOM_ID.search(raw)
     custom_id = guess.group(1).decode("utf-8", "replace") if guess else None
-    try:
-        item = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    try:  # as a request body is read: a line nested too deep or a number too long is refused
+        item = parse_json(raw)
+    except BadRequest as exc:
         return custom_id, f"line {number} is not valid JSON: {exc}"
     if not isinstance(item, dict):
         return custom_id, f"line {number} must be a JSON object {{custom_id, method, url, body}}"
+    bad = find_surrogate(item)
+    if bad is not None:  # no tokenizer takes it, and the store cannot keep it as text
+        return custom_id, f"line {number}: {bad} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), not text"
     cid = item.get("custom_id")
     if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
         return custom_id, f"line {number}: custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters"

@@ -40,16 +40,17 @@ JSON_TYPES = ("application/json",)
 # -- bodies ----------------------------------------------------------------------------
 
 
-def parse_json(raw: bytes):
-    """The JSON value of a request body, or BadRequest (400) saying what is wrong with it."""
+def parse_json(raw: bytes, depth: int = MAX_JSON_DEPTH):
+    """The JSON value of a request body, or BadRequest (400) saying what is wrong with it:
+    not JSON, nested deeper than ``depth``, or a number past Python's digit limit."""
     try:
         value = json.loads(raw)
     except RecursionError:
-        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise BadRequest(f"malformed JSON body: nested deeper than {depth} levels") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
         raise BadRequest(f"malformed JSON body: {exc}") from None
-    if _depth_over(value, MAX_JSON_DEPTH):
-        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+    if _depth_over(value, depth):
+        raise BadRequest(f"malformed JSON body: nested deeper than {depth} levels")
     return value
 
 
