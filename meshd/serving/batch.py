@@ -40,8 +40,10 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from meshd.control import tunnel
-from meshd.errors import MeshError, StorageFull
+from meshd.errors import BadRequest, MeshError, StorageFull
 from meshd.serving.batchinput import ENDPOINTS, MAX_CUSTOM_ID, new_id, result_record, validate_input
+from meshd.serving.guards import MAX_JSON_DEPTH, parse_json
+from meshd.serving.openai import find_surrogate
 from meshd.serving.batchstore import DB_NAME, LEGACY_OWNER, TERMINAL, BatchStore, Line, Status
 
 log = structlog.get_logger()
@@ -361,7 +363,11 @@ class BatchRunner:
         if self.unavailable:
             return 503, _answer_error(f"batch jobs are not available on this peer now: {self.unavailable}")
         try:
-            payload = json.loads(raw)
+            # Read as a client's body is (a line's body or a batch's metadata, depth-checked
+            # when it came in, sits four levels down here); no string the store cannot keep.
+            payload = parse_json(raw, MAX_JSON_DEPTH + 4)
+            if (bad := find_surrogate(payload)) is not None:
+                raise ValueError(f"{bad} holds a lone UTF-16 surrogate")
             op = payload["op"] if isinstance(payload, dict) else None
             if op == "drop":
                 batch_id = _checked(payload.get("id"), _BATCH_ID, "id")
@@ -376,10 +382,12 @@ class BatchRunner:
             if counts is not None:
                 counts = {k: _count(counts.get(k) if isinstance(counts, dict) else None, k)
                           for k in ("completed", "failed", "input_tokens", "output_tokens")}
+                if "endpoint" not in batch:
+                    raise ValueError("a snapshot's first part (with counts) carries the whole batch")
             lines = [_checked_line(x) for x in _list(payload.get("lines", []), "lines")]
             results = [_checked_result(x) for x in _list(payload.get("results", []), "results")]
             counted = payload.get("counted", False) is True
-        except (ValueError, KeyError, TypeError) as exc:
+        except (BadRequest, ValueError, KeyError, TypeError) as exc:
             log.warning("batch_replica_malformed", peer=peer, error=str(exc))
             return 400, _answer_error(f"malformed replica call: {exc}")
         try:
