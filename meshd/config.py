@@ -157,7 +157,7 @@ class Config:
             raise ConfigError("tls_cert and tls_key go together")
         for addr in self.peer:
             host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            if not sep or not host or not (port.isascii() and port.isdigit()):
                 raise ConfigError(f"peer: {addr!r} is not HOST:PORT")
 
     @property

@@ -52,6 +52,9 @@ BAD_COMPLETIONS = [
     pytest.param({"prompt": "hi", "min_tokens": 1.5}, 400, "min_tokens", id="min-tokens-float"),
     pytest.param({"prompt": "hi", "min_tokens": 10**6}, 400, "min_tokens", id="min-tokens-beyond-context"),
     pytest.param({"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos", id="ignore-eos-not-bool"),
+    # A digit int() refuses ("²".isdigit() is true), and one past Python's 4300-digit limit.
+    pytest.param({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias", id="logit-bias-superscript"),
+    pytest.param({"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias", id="logit-bias-5000-digits"),
 ]
 
 
@@ -74,6 +77,10 @@ async def test_bad_completion_is_a_4xx_json_error(tiny_node, client, body, statu
     pytest.param({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "min_tokens": 4},
                  "min_tokens", id="min-tokens-over-max-completion-tokens"),
     pytest.param({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo", id="echo-on-chat"),
+    # Nested past the JSON parser's recursion, inside a string the body's depth check cannot see.
+    pytest.param({"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                                   "name": "f", "arguments": "[" * 100_000}}]}]}, "messages", id="tool-arguments-deep"),
 ])
 async def test_bad_chat_is_a_400_json_error(tiny_node, client, body, param):
     got, data = await post(client, tiny_node.url, body, path="/v1/chat/completions")
@@ -96,6 +103,20 @@ async def test_malformed_body_is_a_400(tiny_node, client, raw, path):
     got, data = await post(client, tiny_node.url, None, raw=raw, path=path)
     assert got == 400, data
     assert_error_body(data)
+    await assert_still_serves(client, tiny_node.url)
+
+
+@pytest.mark.parametrize("path,param", [
+    pytest.param("/live?since=%C2%B2", "since", id="live-since-superscript"),
+    pytest.param("/traces?limit=%C2%B9", "limit", id="traces-limit-superscript"),
+    pytest.param("/v1/batches?limit=%C2%B2", "limit", id="batches-limit-superscript"),
+    pytest.param("/v1/files?limit=1" + "0" * 5000, "limit", id="files-limit-5000-digits"),
+])
+async def test_a_query_number_int_refuses_is_a_400(tiny_node, client, path, param):
+    """Digits Python's isdigit() takes and int() does not ("²"), or too many of them."""
+    async with client.get(tiny_node.url + path) as resp:
+        assert resp.status == 400, await resp.text()
+        assert param in (await resp.json())["error"]["message"]
     await assert_still_serves(client, tiny_node.url)
 
 

@@ -130,6 +130,22 @@ def test_lines_a_parser_chokes_on_are_error_records_and_the_batch_and_daemon_go_
     assert out["custom_id"] == "good" and out["response"]["body"]["choices"][0]["text"] == want
 
 
+def test_an_upload_whose_filename_is_not_utf8_is_kept_with_its_name_readable(daemon, client):
+    """A multipart filename in Latin-1 (aiohttp keeps such bytes as surrogates, which the
+    store cannot write): the upload succeeds, its name shows U+FFFD where the bytes were."""
+    data = jsonl([request_line("a", "/v1/completions", {"prompt": "x", "max_tokens": 1})])
+    body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"caf\xe9.jsonl\"\r\n"
+            b"Content-Type: application/jsonl\r\n\r\n" + data + b"\r\n--b0undary--\r\n")
+    req = urllib.request.Request(daemon.url + "/v1/files", body,
+                                 {"Content-Type": "multipart/form-data; boundary=b0undary"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        file_id = json.loads(resp.read())["id"]
+    got = client.files.retrieve(file_id)
+    assert got.filename.startswith("caf") and got.filename.endswith(".jsonl") and "\ufffd" in got.filename
+    assert client.files.content(file_id).content == data
+
+
 def test_bad_batch_requests_are_openai_errors(daemon, client):
     uploaded = client.files.create(file=("a.jsonl", io.BytesIO(jsonl([request_line("a", "/v1/completions",
                                                                                     {"prompt": "x"})]))),

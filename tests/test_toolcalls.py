@@ -44,6 +44,23 @@ def test_plain_text_stays_content():
     assert parse_calls(HERMES, "<tool_call>\nnot json\n</tool_call>")[1] == []
 
 
+@pytest.mark.parametrize("fmt, text", [
+    pytest.param(HERMES, "<tool_call>\n" + "[" * 100_000 + "\n</tool_call>", id="hermes-call"),
+    pytest.param(HERMES, '<tool_call>\n{"name": "f", "arguments": "' + "[" * 100_000 + '"}\n</tool_call>',
+                 id="hermes-arguments-string"),
+    pytest.param(LLAMA3, "[" * 100_000, id="llama3"),
+    pytest.param(MISTRAL, "[TOOL_CALLS]" + "[" * 100_000, id="mistral"),
+])
+def test_brackets_past_the_parsers_depth_are_text_not_a_crash(fmt, text):
+    """A model (or a client's resume) that writes more brackets than Python's JSON parser
+    recurses through: no call, the text stays content, streamed or whole."""
+    content, calls = parse_calls(fmt, text)
+    assert calls == [] and "[[[" in content
+    parser = CallParser(fmt)
+    streamed = [parser.push(text[i:i + 4096]) for i in range(0, len(text), 4096)] + [parser.end()]
+    assert [c for _, more in streamed for c in more] == [] and "[[[" in "".join(t for t, _ in streamed)
+
+
 def test_format_comes_from_the_template():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") == HERMES
     assert tool_format("[TOOL_CALLS]") == MISTRAL

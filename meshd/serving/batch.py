@@ -337,7 +337,7 @@ class BatchRunner:
                                    sock_read=REPLICA_TIMEOUT_S) as resp:
                 status, raw = resp.status, await resp.read()
             answer = json.loads(raw).get("answer") if status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, RecursionError) as exc:
             log.info("batch_replica_unsent", batch=job.id, holder=holder, error=str(exc) or type(exc).__name__)
             return None
         if answer is None:
@@ -625,7 +625,7 @@ def _checked_result(item: object) -> tuple[int, bool, str, int, int]:
     try:
         if not isinstance(json.loads(record), dict):
             raise ValueError("a result's record must be a JSON object")
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"a result's record is not JSON: {exc}") from None
     return _count(idx, "line", 1), ok, record, _count(tokens_in, "input_tokens"), _count(tokens_out, "output_tokens")
 

@@ -81,7 +81,7 @@ def batch_json(row: dict, model: str, runner: BatchRunner | None = None) -> dict
 
 def _limit(request: web.Request, default: int = 20) -> int:
     raw = request.query.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 3 or not 1 <= int(raw) <= 100:
         raise BadRequest("limit must be an integer from 1 to 100", param="limit")
     return int(raw)
 
@@ -124,7 +124,10 @@ async def upload_file(request: web.Request) -> web.Response:
             if part.name == "purpose":
                 purpose = await _small_field(part)
             elif part.name == "file":
-                filename = (part.filename or "upload.jsonl")[:MAX_FILENAME]
+                # aiohttp keeps a name's bytes that are not UTF-8 as surrogates, which the store
+                # cannot write as text: they become U+FFFD, as a browser shows them.
+                filename = (part.filename or "upload.jsonl")[:MAX_FILENAME].encode(
+                    "utf-8", "surrogatepass").decode("utf-8", "replace")
                 while chunk := await part.read_chunk(UPLOAD_CHUNK):
                     size += len(chunk)
                     if size > MAX_FILE_BYTES:

@@ -38,7 +38,7 @@ def _int_query(request: web.Request, name: str, default: int, hi: int) -> int:
     raw = request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or len(raw) > 15 or int(raw) > hi:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 15 or int(raw) > hi:
         raise web.HTTPBadRequest(reason=f"{name} must be an integer in 0..{hi}")
     return int(raw)
 

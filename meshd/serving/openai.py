@@ -241,7 +241,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
                              param="messages")
         try:
             json.loads(fn.get("arguments") or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth inside the string
             raise BadRequest(f"{where}[{j}].function.arguments is not JSON", param="messages") from None
         out.append({"id": str(c.get("id") or ""), "type": "function",
                     "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
@@ -362,7 +362,8 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
         raise BadRequest("logit_bias must be an object of at most 1024 token ids", param="logit_bias")
     out = []
     for key, value in bias.items():
-        if not key.isdigit() or not 0 <= int(key) < vocab:
+        # ASCII digits only: "²".isdigit(), and int() refuses it (and past 4300 digits)
+        if not (key.isascii() and key.isdigit()) or len(key) > 9 or not 0 <= int(key) < vocab:
             raise BadRequest(f"logit_bias key {key!r} is not a token id of this model", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise BadRequest("logit_bias values must be numbers within [-100, 100]", param="logit_bias")

@@ -60,7 +60,7 @@ def _call_from(obj, args_key: str) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
@@ -70,7 +70,7 @@ def _json_prefix(text: str):
     stripped = text.lstrip()
     try:
         value, end = json.JSONDecoder().raw_decode(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model (or a resume) may write brackets past the parser's depth
         return None, text
     return value, stripped[end:]
 
