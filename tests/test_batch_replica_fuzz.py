@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from meshd.serving.batch import BatchRunner
 from meshd.serving.batchstore import DB_NAME
+from tests.mutate import at, paths, replaced
 
 BATCH = "batch_" + "a" * 24
 HEAD = {"id": BATCH, "status": "in_progress", "input_file_id": "file-" + "b" * 24, "endpoint": "/v1/completions",
@@ -34,32 +35,7 @@ json_values = st.recursive(
     max_leaves=20)
 
 
-def _paths(value, path=()):
-    """Every place in ``value`` a field can be replaced at."""
-    yield path
-    if isinstance(value, dict):
-        for k, v in value.items():
-            yield from _paths(v, path + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _paths(v, path + (i,))
-
-
-PATHS = [p for p in _paths(SYNC) if p]
-
-
-def _at(value, path):
-    for step in path:
-        value = value[step]
-    return value
-
-
-def _replaced(value, path, new):
-    if not path:
-        return new
-    copy = dict(value) if isinstance(value, dict) else list(value)
-    copy[path[0]] = _replaced(value[path[0]], path[1:], new)
-    return copy
+PATHS = [p for p in paths(SYNC) if p]
 
 
 @st.composite
@@ -71,20 +47,20 @@ def calls(draw) -> bytes:
         return draw(st.binary(max_size=64))
     path = draw(st.sampled_from(PATHS))
     *parent, key = path
-    target = _at(SYNC, parent)
+    target = at(SYNC, parent)
     if kind == "dropped" and isinstance(target, dict):
-        return json.dumps(_replaced(SYNC, tuple(parent), {k: v for k, v in target.items() if k != key})).encode()
-    return json.dumps(_replaced(SYNC, path, draw(json_values))).encode()
+        return json.dumps(replaced(SYNC, tuple(parent), {k: v for k, v in target.items() if k != key})).encode()
+    return json.dumps(replaced(SYNC, path, draw(json_values))).encode()
 
 
 HOSTILE = [
     b"[" * 100_000 + b"]" * 100_000,  # deeper than any recursive parser goes
     json.dumps({"op": "sync", "batch": HEAD, "counts": COUNTS,
                 "lines": [[1, "a", {"p": json.loads("[" * 900 + "]" * 900)}]]}).encode(),
-    json.dumps(_replaced(SYNC, ("lines", 0, 1), "\ud800")).encode(),  # a lone surrogate: SQLite cannot store it
-    json.dumps(_replaced(SYNC, ("batch", "owner"), "\udfff")).encode(),
-    json.dumps(_replaced(SYNC, ("batch", "metadata"), {"\ud800": 1})).encode(),
-    json.dumps(_replaced(SYNC, ("lines", 0, 0), 2**63)).encode(),
+    json.dumps(replaced(SYNC, ("lines", 0, 1), "\ud800")).encode(),  # a lone surrogate: SQLite cannot store it
+    json.dumps(replaced(SYNC, ("batch", "owner"), "\udfff")).encode(),
+    json.dumps(replaced(SYNC, ("batch", "metadata"), {"\ud800": 1})).encode(),
+    json.dumps(replaced(SYNC, ("lines", 0, 0), 2**63)).encode(),
     json.dumps({"op": "drop", "id": BATCH + "\x00"}).encode(),
 ]
 

@@ -25,6 +25,7 @@ from meshd.serving.daemon import NODE
 from meshd.serving.batchinput import ENDPOINTS, new_id
 from meshd.serving.batchstore import TERMINAL, Owner, Status
 from meshd.serving.guards import bearer_key, local_caller, owner_of
+from meshd.serving.openai import find_surrogate
 
 MAX_FILE_BYTES = 200 << 20  # OpenAI's limit for a batch input file
 SPOOL_IN_MEMORY = 1 << 20
@@ -230,6 +231,8 @@ async def create_batch(request: web.Request) -> web.Response:
     body = await read_json(request)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if (bad := find_surrogate(body)) is not None:  # the store keeps text; this is not text
+        raise BadRequest(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode", param=bad.split(".")[0])
     for key in sorted(set(body) - CREATE_FIELDS):
         raise BadRequest(f"{key} is not implemented here", param=key)
     endpoint = body.get("endpoint")
