@@ -304,7 +304,9 @@ def _top_in_a_terminal(url: str, until, key: bytes, timeout: float = 60.0) -> tu
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C reaches it as SIGINT)
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-        os.execve(sys.executable, [sys.executable, "-m", "meshd.tools.meshctl", "--url", url, "top"], daemon_env())
+        # faulthandler: a top that does not end is sent SIGABRT below, and shows where it stood.
+        os.execve(sys.executable, [sys.executable, "-m", "meshd.tools.meshctl", "--url", url, "top"],
+                  daemon_env() | {"PYTHONFAULTHANDLER": "1"})
     out = b""
     try:
         deadline = time.monotonic() + timeout
@@ -318,7 +320,13 @@ def _top_in_a_terminal(url: str, until, key: bytes, timeout: float = 60.0) -> tu
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
-            assert time.monotonic() < deadline, f"top did not end on {key!r}"
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGABRT)
+                time.sleep(1)
+                with contextlib.suppress(OSError):
+                    while select.select([fd], [], [], 0.5)[0]:
+                        out += os.read(fd, 65536)
+                raise AssertionError(f"top did not end on {key!r}; where it stood: {out[-3000:].decode(errors='replace')}")
             if select.select([fd], [], [], 0.2)[0]:
                 with contextlib.suppress(OSError):  # EIO once the child closed its side
                     out += os.read(fd, 65536)
