@@ -303,6 +303,10 @@ def _top_in_a_terminal(url: str, until, key: bytes, timeout: float = 60.0) -> tu
     then type ``key``; its exit status and everything it wrote."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal (Ctrl-C reaches it as SIGINT)
+        # As a shell starts a command: SIGINT neither blocked nor ignored. A test process's
+        # own may be either (seen: top never saw the Ctrl-C, blocked in a read of /live).
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         # faulthandler: a top that does not end is sent SIGABRT below, and shows where it stood.
         os.execve(sys.executable, [sys.executable, "-m", "meshd.tools.meshctl", "--url", url, "top"],
