@@ -5,7 +5,9 @@ together: what ran before issue 34), side by side in one process, timed in inter
 rounds (best of each): prefill of 128 tokens, batch-1 decode, 16 streams decoded through
 one batched forward. Then the replay experiment on each: generate 32 greedy tokens one row
 at a time, restart from the prompt plus the first k in one prefill (what a failover's replay
-does) and count the restarts that continue differently.
+does) and count the restarts that continue differently. Last, what a prompt's rows cost when
+they attend row by row as decode rows do (the default, so a row's bits never depend on the
+chunk it ran in) against torch's SDPA over the chunk, for prompts of 128, 512 and 1024.
 
     .venv/bin/python bench/bench_invariance.py [--model DIR] [--threads 1] [--rounds 3]
 """
@@ -21,6 +23,7 @@ from locate import add_model_flag, need_model
 
 PROMPTS = [[(i * 131 + 7 * p) % 40000 + 100 for i in range(12 + 5 * p)] for p in range(4)]
 REPLAY_TOKENS = 32
+ATTENTION_PROMPTS = (128, 512, 1024)
 
 
 def _divergent_restarts(stage) -> tuple[int, int]:
@@ -33,6 +36,37 @@ def _divergent_restarts(stage) -> tuple[int, int]:
             restarts += 1
             diverged += generate_greedy(stage, ids + stream[:k], REPLAY_TOKENS - k) != stream[k:]
     return restarts, diverged
+
+
+def _attention_costs(runner, rounds: int) -> dict[int, tuple[float, float]]:
+    """Prefill of n tokens with a chunk's rows attending row by row (ro_attend_rows, what a
+    decode row computes: the default) and with torch's SDPA over the chunk, interleaved; and
+    whether the last row's hidden state equals the same row decoded alone after the rest."""
+    import torch
+
+    import shards.rowops as rowops
+
+    st, out = runner.stage, {}
+    for n in ATTENTION_PROMPTS:
+        ids = torch.tensor([(i * 131 + 7) % 40000 + 100 for i in range(n)])
+        best = {True: float("inf"), False: float("inf")}
+        same = {}
+        for _ in range(rounds):
+            for exact in (True, False):
+                rowops.EXACT_ROWS = exact
+                try:
+                    with torch.inference_mode():
+                        caches = st.new_caches()
+                        t0 = time.perf_counter()
+                        whole = st(st.embed(ids), 0, caches)
+                        best[exact] = min(best[exact], time.perf_counter() - t0)
+                        caches = st.new_caches()
+                        st(st.embed(ids[:-1]), 0, caches)
+                        same[exact] = torch.equal(whole[-1:], st(st.embed(ids[-1:]), n - 1, caches))
+                finally:
+                    rowops.EXACT_ROWS = True
+        out[n] = (n / best[True], n / best[False], same[True], same[False])
+    return out
 
 
 def main() -> None:
@@ -81,6 +115,12 @@ def main() -> None:
     print(f"exact / int4pack: prefill {e['prefill_tok_s'] / i['prefill_tok_s']:.2f}x, "
           f"decode {e['decode_tok_s'] / i['decode_tok_s']:.2f}x, streams {e['streams_tok_s'] / i['streams_tok_s']:.2f}x")
     print(json.dumps(rows))
+    costs = _attention_costs(runners["exact (blocks)"], args.rounds)
+    print("\nattention of a prompt's rows (block kernel): row by row as decode rows attend, or torch's SDPA")
+    print("| prompt | row by row tok/s | SDPA tok/s | ratio | last row = decoded alone (row by row / SDPA) |")
+    print("|---:|---:|---:|---:|---|")
+    for n, (exact, sdpa, same_exact, same_sdpa) in costs.items():
+        print(f"| {n} | {exact:.0f} | {sdpa:.0f} | {exact / sdpa:.2f}x | {same_exact} / {same_sdpa} |")
 
 
 if __name__ == "__main__":

@@ -213,21 +213,13 @@ static void softmax(float *restrict p, int64_t n) {
     for (int64_t j = 0; j < n; j++) p[j] *= inv;
 }
 
-/* One new position of one session through attention: its q, k, v heads (q/k normed per
- * head when qn/kn are given, then roped with this row's cos and signed sin), k and v
- * written into the session's cache [nkv, cap, hd] at pos, then each q head attends to
- * keys first..pos of its kv head (q head i reads kv head i / (nq / nkv)) with softmax at
- * `scale`. out: the heads side by side [nq * hd]. */
-int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, const void *k, int k_bf16,
-              const void *v, int v_bf16, const float *qn, const float *kn, float eps, const float *cos,
-              const float *ssin, float *kc, float *vc, int64_t cap, int64_t pos, int64_t first, float scale,
-              void *out, int out_bf16) {
-    if (nkv <= 0 || nq % nkv || hd % 2 || pos < first || first < 0 || pos >= cap) return -2;
-    int64_t S = pos - first + 1, group = nq / nkv;
-    float *buf = malloc((size_t)((nq + 2 * nkv) * hd + hd + group * S + nq * hd) * 4);
-    if (!buf) return -1;
-    float *qf = buf, *kf = qf + nq * hd, *vf = kf + nkv * hd, *tmp = vf + nkv * hd, *p = tmp + hd;
-    float *o = p + group * S;
+/* One new position of one session before attention: its q, k, v heads loaded (q/k normed
+ * per head when qn/kn are given, then roped with this row's cos and signed sin) into qf, kf,
+ * vf, and k and v written into the session's cache [nkv, cap, hd] at pos. */
+static void prepare_row(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, const void *k, int k_bf16,
+                        const void *v, int v_bf16, const float *qn, const float *kn, float eps, const float *cos,
+                        const float *ssin, float *kc, float *vc, int64_t cap, int64_t pos, float *qf, float *kf,
+                        float *vf, float *tmp) {
     load(qf, q, nq * hd, q_bf16);
     load(kf, k, nkv * hd, k_bf16);
     load(vf, v, nkv * hd, v_bf16);
@@ -241,6 +233,17 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
         memcpy(kc + (h * cap + pos) * hd, kf + h * hd, (size_t)hd * 4);
         memcpy(vc + (h * cap + pos) * hd, vf + h * hd, (size_t)hd * 4);
     }
+}
+
+/* The attention of one prepared row at pos: each q head of qf attends to keys first..pos of
+ * its kv head in the cache (q head i reads kv head i / (nq / nkv)) with softmax at `scale`.
+ * p: scratch of (nq / nkv) * (pos - first + 1) floats, o: of nq * hd. out: the heads side by
+ * side [nq * hd]. What a row gets depends only on its q, the keys and values it reads and
+ * their count: the same bits whether the row runs alone or among others. */
+static void attend_row(int64_t nq, int64_t nkv, int64_t hd, const float *qf, const float *kc, const float *vc,
+                       int64_t cap, int64_t pos, int64_t first, float scale, float *p, float *o, void *out,
+                       int out_bf16) {
+    int64_t S = pos - first + 1, group = nq / nkv;
     for (int64_t g = 0; g < nkv; g++) { /* the q heads of kv head g share each key and value read */
         const float *kg = kc + (g * cap + first) * hd, *vg = vc + (g * cap + first) * hd;
         for (int64_t i = 0; i < group; i++) {
@@ -259,8 +262,59 @@ int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, co
         }
     }
     store(out, o, nq * hd, out_bf16);
+}
+
+/* One new position of one session through attention (prepare_row, then attend_row). */
+int ro_attend(int64_t nq, int64_t nkv, int64_t hd, const void *q, int q_bf16, const void *k, int k_bf16,
+              const void *v, int v_bf16, const float *qn, const float *kn, float eps, const float *cos,
+              const float *ssin, float *kc, float *vc, int64_t cap, int64_t pos, int64_t first, float scale,
+              void *out, int out_bf16) {
+    if (nkv <= 0 || nq % nkv || hd % 2 || pos < first || first < 0 || pos >= cap) return -2;
+    int64_t S = pos - first + 1, group = nq / nkv;
+    float *buf = malloc((size_t)((nq + 2 * nkv) * hd + hd + group * S + nq * hd) * 4);
+    if (!buf) return -1;
+    float *qf = buf, *kf = qf + nq * hd, *vf = kf + nkv * hd, *tmp = vf + nkv * hd, *p = tmp + hd;
+    float *o = p + group * S;
+    prepare_row(nq, nkv, hd, q, q_bf16, k, k_bf16, v, v_bf16, qn, kn, eps, cos, ssin, kc, vc, cap, pos, qf, kf, vf,
+                tmp);
+    attend_row(nq, nkv, hd, qf, kc, vc, cap, pos, first, scale, p, o, out, out_bf16);
     free(buf);
     return 0;
+}
+
+/* T new positions start..start+T-1 of one session through attention (a prompt's chunk, a
+ * replay, a draft's rows): every row prepared and written into the cache in order, then each
+ * row attends as ro_attend would for it alone (keys from its window's first, window 0: all),
+ * rows spread over `threads`. Rows are `*_ld` elements apart in q, k, v and out. So a row's
+ * attention has the same bits in a chunk of any length as decoded alone. */
+int ro_attend_rows(int64_t T, int threads, int64_t nq, int64_t nkv, int64_t hd, const void *q, int64_t q_ld,
+                   int q_bf16, const void *k, int64_t k_ld, int k_bf16, const void *v, int64_t v_ld, int v_bf16,
+                   const float *qn, const float *kn, float eps, const float *cos, const float *ssin, float *kc,
+                   float *vc, int64_t cap, int64_t start, int64_t window, float scale, void *out, int64_t out_ld,
+                   int out_bf16) {
+    if (T <= 0 || nkv <= 0 || nq % nkv || hd % 2 || start < 0 || start + T > cap || window < 0) return -2;
+    float *qs = malloc((size_t)(T * nq * hd + 2 * nkv * hd + hd) * 4);
+    if (!qs) return -1;
+    float *kf = qs + T * nq * hd, *vf = kf + nkv * hd, *tmp = vf + nkv * hd;
+    for (int64_t r = 0; r < T; r++)
+        prepare_row(nq, nkv, hd, row(q, r, q_ld, q_bf16), q_bf16, row(k, r, k_ld, k_bf16), k_bf16,
+                    row(v, r, v_ld, v_bf16), v_bf16, qn, kn, eps, cos + r * hd, ssin + r * hd, kc, vc, cap,
+                    start + r, qs + r * nq * hd, kf, vf, tmp);
+    int64_t group = nq / nkv, failed = 0;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t r = 0; r < T; r++) {
+        int64_t pos = start + r, first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+        float *scratch = malloc((size_t)(group * (pos - first + 1) + nq * hd) * 4);
+        if (!scratch) {
+            failed |= 1;
+            continue;
+        }
+        attend_row(nq, nkv, hd, qs + r * nq * hd, kc, vc, cap, pos, first, scale, scratch,
+                   scratch + group * (pos - first + 1), row(out, r, out_ld, out_bf16), out_bf16);
+        free(scratch);
+    }
+    free(qs);
+    return failed ? -1 : 0;
 }
 
 /* -- a whole block for decode rows -----------------------------------------------------------

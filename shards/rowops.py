@@ -54,10 +54,19 @@ def _declared(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     lib.ro_act_mul.argtypes = [i64, i64, ptr, i64, i32, ptr, i64, i32, i32, ptr, i64, i32]
     lib.ro_attend.argtypes = [i64, i64, i64, ptr, i32, ptr, i32, ptr, i32, ptr, ptr, f32, ptr, ptr,
                               ptr, ptr, i64, i64, i64, f32, ptr, i32]
+    lib.ro_attend_rows.argtypes = [i64, i32, i64, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, ptr, ptr,
+                                   f32, ptr, ptr, ptr, ptr, i64, i64, i64, f32, ptr, i64, i32]
     lib.ro_block.argtypes = [ptr, ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, ptr, i64, i32]
-    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_block):
+    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_attend_rows, lib.ro_block):
         f.restype = ctypes.c_int
     return lib
+
+
+# A segment of several rows (a prompt's chunk, a replay's, a speculative draft's) attends row
+# by row as a decode row does (ro_attend_rows), so that a row's bits never depend on how many
+# rows ran with it: exact failover, prefix cache and speculation. False (bench only): torch's
+# SDPA over the segment, whose sums depend on the segment's shape.
+EXACT_ROWS = True
 
 
 def _check(rc: int, what: str) -> None:
@@ -321,7 +330,20 @@ def _attention(lib: ctypes.CDLL, pl: _Plan, ys: list[Tensor], cos: Tensor, sin: 
                                  _ptr(sin, off * hd), cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, start,
                                  first, pl.scale, _ptr(out, off * nq * hd), int(out.dtype == _BF16)), "attend")
             cache.length = start + 1
-        else:  # a prompt's rows: torch's fused SDPA, as Attention.forward runs it
+        elif cache is not None and EXACT_ROWS:  # a prompt's chunk, a replay, a draft: each row as alone
+            cache.reserve(start, rows)
+            (tq, cq), (tk, ck), (tv, cv) = parts
+            window = pl.attention.window or 0
+            _check(lib.ro_attend_rows(rows, torch.get_num_threads(), nq, nkv, hd,
+                                      _ptr(tq, off * tq.stride(0) + cq), tq.stride(0), flags[0],
+                                      _ptr(tk, off * tk.stride(0) + ck), tk.stride(0), flags[1],
+                                      _ptr(tv, off * tv.stride(0) + cv), tv.stride(0), flags[2],
+                                      _weight(pl.q_norm), _weight(pl.k_norm), pl.eps, _ptr(cos, off * hd),
+                                      _ptr(sin, off * hd), cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity,
+                                      start, window, pl.scale, _ptr(out, off * nq * hd), nq * hd,
+                                      int(out.dtype == _BF16)), "attend_rows")
+            cache.length = start + rows
+        else:  # rows without a cache (a whole forward from 0): torch's fused SDPA, as Attention.forward runs it
             sl = slice(off, off + rows)
             q, k, v = (t[sl, c:c + n * hd].float().view(rows, n, hd) for (t, c), n in zip(parts, (nq, nkv, nkv)))
             q, k, v = pl.attention.heads(torch.cat((q, k), dim=1), v, cos[sl], sin[sl])

@@ -128,6 +128,31 @@ def test_a_rows_result_does_not_depend_on_its_batch(name):
     assert torch.equal(mixed[1:2], alone)
 
 
+@pytest.mark.parametrize("weights", ["int4", "blocks"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_prompts_rows_have_the_same_bits_in_a_chunk_of_any_length_as_decoded_alone(name, weights):
+    """What exact replay, the prefix cache and speculative drafts rest on: a row's hidden
+    state after the span is the same bits whether it ran inside the whole prompt's chunk,
+    in a chunk cut anywhere (a replay, a cached prefix, a draft's rows), or alone, one row
+    after another as a decode runs. (Gemma's config has a sliding window of 5: the cuts
+    fall inside and past it.) Quantized weights only: a float linear is torch's GEMM, whose
+    sums depend on how many rows it runs (issue 34 has it open)."""
+    stage = _stage(name, weights)
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(5))
+    whole = _forward(stage, LIB, x, [(0, 23, stage.new_caches())])
+    for cuts in ([1], [7], [22], [3, 9, 17], list(range(1, 23))):
+        caches, parts = stage.new_caches(), []
+        for a, b in zip([0] + cuts, cuts + [23]):
+            parts.append(_forward(stage, LIB, x[a:b], [(a, b - a, caches)]))
+        assert torch.equal(torch.cat(parts), whole), f"cut at {cuts}"
+    # and beside another session's rows in one batch
+    other = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    caches = stage.new_caches()
+    _forward(stage, LIB, x[:20], [(0, 20, caches)])
+    mixed = _forward(stage, LIB, torch.cat([other, x[20:]]), [(0, 4, stage.new_caches()), (20, 3, caches)])
+    assert torch.equal(mixed[4:], whole[20:])
+
+
 def test_a_decode_row_past_the_window_sees_only_the_window():
     """Gemma's sliding layer: keys older than the window are not attended to."""
     stage = _stage("gemma3", "float")
