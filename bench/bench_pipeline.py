@@ -211,9 +211,10 @@ class Running:
 
 
 def start_meshd(peers: int, args, workdir: Path, name: str | None = None,
-                budgets: list[int] | None = None) -> Running:
+                budgets: list[int] | None = None, extra: tuple[str, ...] = ()) -> Running:
     """``peers`` daemons on cores 0, 1, ...; ``budgets``: each one's --mem-budget (which caps
-    the layers placement may give it: bench_splits.py forces a split with them)."""
+    the layers placement may give it: bench_splits.py forces a split with them); ``extra``:
+    more flags for each."""
     name = name or f"meshd-{peers}"
     secret = workdir / f"secret-{name}"
     secret.write_text(secrets.token_hex(32))
@@ -234,6 +235,7 @@ def start_meshd(peers: int, args, workdir: Path, name: str | None = None,
                 argv += ["--peer", f"127.0.0.1:{other}"]
             if budgets:
                 argv += ["--mem-budget", str(budgets[i])]
+            argv += list(extra)
             log = open(workdir / f"{name}-{i}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

@@ -94,6 +94,9 @@ class Config:
     # Finished sessions whose KV stays on the stages for a new request that starts
     # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
     prefix_cache_entries: int = 32
+    # Speculative decoding: the supernode drafts tokens from a session's own tokens (prompt
+    # lookup) and checks them in the step it runs anyway; the tokens are the same with it off.
+    speculate: bool = True
     log_level: str = "info"
     # Browser origins allowed to call the API (CORS), "*" for any; none by default.
     # /v1/mesh/* (control) answers only cors_mesh_origins, none by default.

@@ -168,7 +168,7 @@ class Node:
                                                                                       urgent=True),
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
-                                   prefix_entries=config.prefix_cache_entries)
+                                   prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active),

@@ -6,7 +6,8 @@ import pytest
 
 from shards.convert import convert
 from shards.manifest import Manifest
-from tests.meshlab import complete, greedy_reference
+from tests.meshlab import complete, greedy_reference, http_json
+from tests.fixtures.api import EXTRACT
 
 PROMPT = "quantized spans"
 TOKENS = 24
@@ -59,3 +60,11 @@ def test_real_gguf_kept_quantized_across_peers_equals_one_node(meshlab, real_mod
     assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
     fetched = [d for d in daemons[1:] if d.node_id in owners]
     assert fetched and all(any(d.state_dir.glob(f"models/{m.name}/layer-*.safetensors")) for d in fetched)
+    # Speculative decoding across the stages: an answer that repeats its prompt, drafted by
+    # prompt lookup on the supernode, each draft's rows through both stages in the step:
+    # the tokens one node gives one row at a time, in fewer steps than tokens.
+    got, _ = complete(daemons[2].url, EXTRACT, 40)
+    assert got == greedy_reference(real_model_dir, EXTRACT, 40), meshlab.fail_report()
+    supernode = next(d for d in daemons if d.node_id == view["supernode"])
+    spec = http_json(supernode.url + "/status")[1]["node"]["scheduler"]["speculation"]
+    assert spec["accepted"] > 0 and spec["tokens_per_step"] > 1, spec

@@ -238,6 +238,13 @@ class _StateCollector:
             counter = CounterMetricFamily(f"meshd_prefix_cache_{name}", what)
             counter.add_metric([], prefix[name])
             yield counter
+        spec = status["node"]["scheduler"]["speculation"]
+        for name, what in (("drafted", "Tokens drafted by prompt lookup and checked in a step"),
+                           ("accepted", "Drafted tokens the model's own picks matched (kept)"),
+                           ("steps", "Steps that checked a session's draft")):
+            counter = CounterMetricFamily(f"meshd_speculative_{name}", what)
+            counter.add_metric([], spec[name])
+            yield counter
         sched = status["node"]["scheduler"]
         kv = GaugeMetricFamily("meshd_kv_reserved_tokens", "KV positions reserved by running sessions (prompt + max_tokens)")
         kv.add_metric([], sched["kv_reserved"])

@@ -117,7 +117,10 @@ class Pipeline:
         """One forward of a batch through the plan: each session contributes the
         rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
         per session its next token, ``pick(session, logits [V])`` (run on the engine's
-        thread), or None while its prompt (or replay) still has rows to go. A lost peer makes the step wait for the next plan and
+        thread), or None while its prompt (or replay) still has rows to go. A session in
+        decode with a ``draft`` (speculative decoding) sends a row per drafted token beside
+        its own and gets a list: the tokens it picks row by row while they match the draft,
+        then its own pick where one does not (``_verify``): what one row at a time gives. A lost peer makes the step wait for the next plan and
         replay every session of the batch from position 0. ``times`` (ended here) gets
         where the step's time went."""
         if times is None:
@@ -151,7 +154,9 @@ class Pipeline:
                     self.replays += 1
                     log.info("session_replay", session=s.id, term=plan.term, tokens=len(s.tokens))
                     s.cached = 0
-                work.append((s, start, min(len(s.tokens) - start, PREFILL_CHUNK)))
+                if start != len(s.tokens) - 1:
+                    s.draft = []  # a draft rides only beside a decode row (not a prompt's or a replay's)
+                work.append((s, start, min(len(s.tokens) + len(s.draft) - start, PREFILL_CHUNK)))
             try:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")
@@ -171,9 +176,12 @@ class Pipeline:
                 for s in sessions:
                     s.term = None
                 continue
-            out: dict[str, int | None] = {s.id: None for s, _, _ in work}
+            out: dict[str, int | list[int] | None] = {s.id: None for s, _, _ in work}
             for s, start, rows in work:
-                s.cached, s.term = start + rows, plan.term
+                # A checked draft: the caches hold the decode row and the drafts taken; the
+                # rows past them are cut away by the next step's (a stage truncates to its start).
+                got = picked.get(s.id)
+                s.cached, s.term = start + (len(got) if isinstance(got, list) else rows), plan.term
             out.update(picked)
             return out
 
@@ -254,29 +262,38 @@ class Pipeline:
         replay would pick for it twice."""
 
         def finishing(group: list) -> list[tuple[object, int]]:
-            # The sessions whose last token this group runs, and that token's row in it.
+            # The sessions whose last token (and draft) this group runs, and the rows of them.
             done, rows_at = [], 0
             for s, start, rows in group:
                 rows_at += rows
-                if start + rows == len(s.tokens):
-                    done.append((s, rows_at - 1))
+                if start + rows == len(s.tokens) + len(s.draft):
+                    done.append((s, rows_at - 1 - len(s.draft)))
             return done
+
+        def head_rows(done: list) -> list[int]:
+            return [row + i for s, row in done for i in range(1 + len(s.draft))]
+
+        def picks(done: list, logits: torch.Tensor) -> list:
+            out, at = [], 0
+            for s, _ in done:
+                out.append(_verify(pick, s, logits[at:at + 1 + len(s.draft)]))
+                at += 1 + len(s.draft)
+            return out
 
         groups = _waves(work, len(plan.assignments))
         if len(groups) == 1:
             done = finishing(work)
-            picked = await self._run(plan, work, engine, [row for _, row in done],
-                                     lambda logits: [pick(s, lg) for (s, _), lg in zip(done, logits)], _score(work))
+            picked = await self._run(plan, work, engine, head_rows(done), lambda logits: picks(done, logits),
+                                     _score(work))
             return {s.id: token for (s, _), token in zip(done, picked)}
         dones = [finishing(group) for group in groups]
-        logits = await _together(self._run(plan, group, engine, [row for _, row in done], lambda lg: lg,
-                                           _score(group))
+        logits = await _together(self._run(plan, group, engine, head_rows(done), lambda lg: lg, _score(group))
                                  for group, done in zip(groups, dones))
-        finished = [(s, lg) for done, rows in zip(dones, logits) if done for (s, _), lg in zip(done, rows)]
+        finished = [(done, rows) for done, rows in zip(dones, logits) if done]
         began = time.monotonic()
-        picked = await engine.run(lambda: [pick(s, lg) for s, lg in finished])
+        picked = await engine.run(lambda: [token for done, rows in finished for token in picks(done, rows)])
         self._sampled(began)
-        return {s.id: token for (s, _), token in zip(finished, picked)}
+        return {s.id: token for (s, _), token in zip((d for done, _ in finished for d in done), picked)}
 
     async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
                    pick_rows: Callable[[torch.Tensor], list[int]], score: Score | None = None) -> list[int]:
@@ -284,7 +301,7 @@ class Pipeline:
         ``rows`` of the last span's output and ``pick_rows`` of their logits (none where
         ``rows`` is empty), and on ``score``'s rows (prompt logprobs) before them. Where the first or last span is the supernode's own, the embed
         or the head goes in the same engine call as that span (``LocalRunner.step``)."""
-        tokens = [t for s, start, n in work for t in s.tokens[start:start + n]]
+        tokens = [t for s, start, n in work for t in _rows_of(s, start, n)]
         segments = [Segment(s.kv, start, n) for s, start, n in work]
         runners = []
         for a in plan.assignments:
@@ -342,6 +359,34 @@ class Pipeline:
                     await runner.drop(plan.term, key)
                 except PeerLost:
                     break  # its caches went with it
+
+
+def _rows_of(s, start: int, n: int) -> list[int]:
+    """The tokens of a session's ``n`` rows from ``start``: its own, then its draft's."""
+    if not s.draft or start + n <= len(s.tokens):
+        return s.tokens[start:start + n]
+    return (s.tokens + s.draft)[start:start + n]
+
+
+def _verify(pick: Callable, s, logits: torch.Tensor) -> int | list[int]:
+    """A session's pick from its rows' logits [1 + len(draft), V] (on the engine's thread).
+    Without a draft: its token. With one: row i's pick is made as one row at a time would
+    make it (``pick(s, logits, after)``, ``after`` the drafts taken before it), and taken
+    while it equals the drafted token; the list of picks ends with the first that does not
+    (the model's own token there), or with the row after the last draft. A pick depends
+    only on the logits, the tokens before it and the draw's (seed, position): so greedy and
+    seeded requests give the same tokens with or without a draft, and sampled ones are
+    distributed as without it (a drafted token is kept with its probability under the
+    sampler: the rejection rule for a draft that is one token for sure)."""
+    if not s.draft:
+        return pick(s, logits[0])
+    out: list[int] = []
+    for i in range(len(s.draft) + 1):
+        token = pick(s, logits[i], out)
+        out.append(token)
+        if i == len(s.draft) or token != s.draft[i]:
+            break
+    return out
 
 
 def _score(work: list) -> Score | None:

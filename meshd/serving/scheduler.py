@@ -25,6 +25,7 @@ import torch
 
 from meshd.control.timing import StepTimes
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
+from meshd.serving.lookup import PromptLookup
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from meshd.serving.traces import Chain
@@ -53,6 +54,9 @@ CLIENT_SHARE = 0.5
 # With no interactive session running, batch sessions fill whole steps (MAX_BATCH).
 BATCH_BESIDE_INTERACTIVE = 4
 BATCH_KV_SHARE = 0.75
+# Speculation pays while a step's rows are few: beside a bigger batch the drafted rows cost
+# what the running streams' own rows would (their tokens come one per step anyway).
+SPECULATE_UP_TO = 4  # sessions in a step
 
 
 class Priority(IntEnum):
@@ -99,6 +103,10 @@ class Session:
     prompt_scores: dict[int, TokenLogprobs] | None = None
     streamed: bool = False
     trace: object = None  # its request's timeline (serving/traces.py), on a request's first choice
+    # Speculative decoding: where its drafts come from (None: it does not speculate), and
+    # the tokens drafted for the next step, checked in it beside its decode row.
+    lookup: PromptLookup | None = None
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv = self.kv or self.id
@@ -160,7 +168,7 @@ class Lane:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None,
-                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32):
+                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32, speculate: bool = True):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.kv_budget_tokens = kv_budget_tokens
@@ -177,6 +185,10 @@ class Scheduler:
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
         self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
+        self.speculate = speculate  # prompt lookup drafts for sessions without a grammar
+        self.drafted = 0  # tokens drafted, taken, and the steps that checked a draft
+        self.accepted = 0
+        self.draft_steps = 0
         self._background: set[asyncio.Task] = set()
         pipeline.on_plan = self._plan_changed
 
@@ -200,6 +212,7 @@ class Scheduler:
                 lane.sessions = rotate_batch(lane.sessions, batch)
             for s in batch:
                 s.in_step = True
+            self._draft(batch)
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
             try:
                 results = await self.pipeline.step(batch, _pick, times)
@@ -225,25 +238,55 @@ class Scheduler:
                 self.shared_steps += 1
             self.max_batch = max(self.max_batch, len(batch))
             for s in batch:
-                token = results.get(s.id)
+                got = results.get(s.id)
                 if s.trace is not None:
-                    s.trace.stepped(times, token is not None)
-                if token is None or s.finished:
+                    s.trace.stepped(times, got is not None)
+                drafted, s.draft = s.draft, []
+                if got is None or s.finished:
                     continue
                 if s.params.max_tokens == 0:  # only the prompt's logprobs were asked for: they are in
                     self._finish(s, None)
                     continue
-                if token in s.eos and not s.params.ignore_eos:
-                    self._finish(s, None)
-                    continue
-                s.tokens.append(token)
-                self.tokens_generated += 1
-                s.out.put_nowait(token)
-                if len(s.generated) >= s.params.max_tokens:
-                    self._finish(s, None)
-                elif lane.first_tokens:  # it has its first token: on to a decode lane
+                tokens = got if isinstance(got, list) else [got]
+                if drafted and isinstance(got, list):
+                    self._taken(s, len(drafted), len(got) - 1)
+                for token in tokens:  # one, or a checked draft's: each as a step of its own would give it
+                    if token in s.eos and not s.params.ignore_eos:
+                        self._finish(s, None)
+                        break
+                    s.tokens.append(token)
+                    self.tokens_generated += 1
+                    s.out.put_nowait(token)
+                    if len(s.generated) >= s.params.max_tokens:
+                        self._finish(s, None)
+                        break
+                if not s.finished and lane.first_tokens:  # it has its first token: on to a decode lane
                     lane.sessions.remove(s)
                     self._enqueue_decode(s)
+
+    def _draft(self, batch: list[Session]) -> None:
+        """Prompt lookup drafts for the step's sessions that decode (one row to go), while
+        the step is small enough that checking them costs less than the tokens they save."""
+        if not self.speculate or len(batch) > SPECULATE_UP_TO:
+            return
+        for s in batch:
+            if s.lookup is None or s.cached != len(s.tokens) - 1 or s.finished:
+                continue
+            # Room: the draft's rows and the token after them within max_tokens (its KV share).
+            s.draft = s.lookup.draft(s.tokens, s.params.max_tokens - len(s.generated) - 1)
+
+    def _taken(self, s: Session, drafted: int, accepted: int) -> None:
+        s.lookup.taken(drafted, accepted)
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_steps += 1
+
+    def speculation(self) -> dict:
+        """Drafted and taken tokens, and tokens per step that checked a draft (for /status and /metrics)."""
+        return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.draft_steps,
+                "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
+                "tokens_per_step": round((self.accepted + self.draft_steps) / self.draft_steps, 3)
+                if self.draft_steps else None}
 
     def _lanes_in_use(self) -> int:
         """One lane per stage keeps every stage busy; one is enough for one stage."""
@@ -408,7 +451,9 @@ class Scheduler:
                           # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
                           client=client if priority is Priority.INTERACTIVE else None,
                           request=request if request is not None else object(), trace=trace,
-                          prompt_scores={} if params.prompt_logprobs is not None else None)
+                          prompt_scores={} if params.prompt_logprobs is not None else None,
+                          # a grammar's matcher cannot take back a draft's tokens: no drafts for it
+                          lookup=PromptLookup() if self.speculate and mask is None else None)
         self._admit(session)
         return session
 
@@ -524,11 +569,13 @@ def _prompt_scores(session: Session) -> tuple[TokenLogprobs, ...]:
     return tuple(scores[p] for p in range(1, session.prompt_len))
 
 
-def _pick(session: Session, logits: torch.Tensor) -> int:
+def _pick(session: Session, logits: torch.Tensor, after: list[int] | None = None) -> int:
     """The session's next token from its logits (on the engine's thread): bias, penalties
-    and grammar mask applied, its log-probabilities kept where asked for."""
-    sampler, at = session.sampler, len(session.generated)
-    token = sampler.next(logits, at, session.tokens, session.prompt_len)
+    and grammar mask applied, its log-probabilities kept where asked for. ``after``: the
+    drafted tokens taken before this row in the same step (as if they were generated)."""
+    sampler, at = session.sampler, len(session.generated) + len(after or ())
+    history = session.tokens + after if after else session.tokens
+    token = sampler.next(logits, at, history, session.prompt_len)
     if sampler.last is not None:
         session.logprobs[at] = sampler.last
     return token

@@ -41,6 +41,7 @@ def build_status(node: Daemon) -> dict:
             "batch_sessions": len(scheduler.active) - scheduler.interactive,
             "replays": node.pipeline.replays,
             "prefix_cache": scheduler.prefix.stats(),
+            "speculation": scheduler.speculation(),
         },
         **node.metrics.status_fields(),  # memory in use, tokens/s
     }

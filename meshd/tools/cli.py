@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--prefix-cache-entries", type=int, metavar="N",
                      help="finished sessions whose KV stays for reuse by a request starting with the same tokens "
                           "(default 32; 0: off)")
+    run.add_argument("--no-speculate", dest="speculate", action="store_const", const=False,
+                     help="no speculative decoding (drafts from the prompt, checked in the same step: "
+                          "the same tokens either way)")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")
