@@ -1,9 +1,10 @@
-"""Prompt lookup (meshd/serving/lookup.py): what it drafts from a session's own tokens, and
-how many tokens it drafts as its drafts are taken or not."""
+"""Prompt lookup (meshd/serving/lookup.py): what it drafts from a session's own tokens, how
+it learns how often its drafts are taken, and the draft length that pays on a peer whose
+extra rows are dear (a CPU) or nearly free (a GPU)."""
 
 from __future__ import annotations
 
-from meshd.serving.lookup import MAX_DRAFT, PromptLookup
+from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 
 
 def test_lookup_drafts_what_followed_the_latest_match_of_the_longest_suffix():
@@ -11,12 +12,39 @@ def test_lookup_drafts_what_followed_the_latest_match_of_the_longest_suffix():
     assert look.draft([1, 2, 3, 4], 8) == []  # nothing recurs
     tokens = [7, 1, 2, 3, 9, 1, 2, 5, 6, 1, 2]
     assert look.draft(tokens, 8) == [5, 6, 1, 2]  # (1, 2) last followed by 5 (the later match)
-    assert look.draft(tokens + [3], 8) == [9, 1, 2, 5]  # (1, 2, 3): only the first occurrence
+    assert look.draft(tokens + [3], 8) == [9, 1, 2, 5, 6, 1, 2, 3]  # (1, 2, 3): only the first occurrence
     assert look.draft(tokens + [3], 2) == [9, 1]  # no more than room allows
-    look.taken(4, 4)
-    assert look.k == 6 and look.draft(tokens + [3], 8) == [9, 1, 2, 5, 6, 1]  # all taken: more next time
-    look.taken(6, 0)
-    assert look.k == 3  # none taken: fewer
+    assert look.draft(tokens + [3], 0) == []
+
+
+def test_the_rate_follows_the_recent_drafts():
+    look = PromptLookup()
+    assert look.rate == 0.5  # a prior of one taken, one missed
     for _ in range(10):
-        look.taken(look.k, look.k)
-    assert look.k == MAX_DRAFT
+        look.taken(4, 4)
+    assert look.rate > 0.95
+    for _ in range(20):
+        look.taken(4, 0)
+    assert look.rate < 0.1
+    for _ in range(10):
+        look.held_back(5, 5)  # drafts not sent still teach
+    assert look.rate > 0.7
+
+
+def test_a_draft_is_as_long_as_pays_on_the_measured_step_costs():
+    cost = StepCost()
+    assert cost.best_draft(0.99, 8) == 0  # no step timed yet: no draft
+    for _ in range(20):
+        cost.ran(0.0075, 0)  # a decode row alone: 7.5 ms
+    cpu = StepCost()
+    cpu.plain = cost.plain
+    for _ in range(20):
+        cpu.ran(0.0075 + 4 * 0.004, 4)  # each drafted row 4 ms more: a CPU
+    assert abs(cpu.row - 0.004) < 1e-4
+    assert cpu.best_draft(0.3, 8) == 0  # free text: drafts do not pay here
+    assert 1 <= cpu.best_draft(0.8, 8) < MAX_DRAFT  # extraction: some do
+    assert cpu.best_draft(0.8, 2) <= 2  # never past the draft found
+    gpu = StepCost()
+    gpu.plain = cost.plain
+    gpu.ran(0.0075 + 8 * 0.0001, 8)  # each drafted row nearly free: a GPU
+    assert gpu.best_draft(0.3, 8) >= 1 and gpu.best_draft(0.8, 8) == MAX_DRAFT

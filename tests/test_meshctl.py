@@ -191,6 +191,7 @@ def test_status_table_reads_right_from_either_peer(mesh, tiny_model_dir):
         assert set(rows) == {a_id, b_id}, out.stdout
         me = a_id if url == a.url else b_id
         assert rows[me]["PEER"].endswith("*")  # the peer asked is marked
+        assert re.search(r"^speculation \d+ drafted, \d+ taken", out.stdout, re.M), out.stdout  # the supernode's
         alpha, beta = rows[a_id], rows[b_id]
         assert (alpha["NAME"], alpha["ROLE"], alpha["STATE"]) == ("alpha", "supernode", "ready"), alpha
         assert (beta["NAME"], beta["ROLE"], beta["STATE"]) == ("beta", "stage", "ready"), beta

@@ -1,4 +1,5 @@
-"""Prompt lookup: drafts for speculative decoding taken from a session's own tokens.
+"""Prompt lookup: drafts for speculative decoding taken from a session's own tokens, and
+how many of them a step should carry.
 
 An answer that repeats its prompt (rewrite this JSON, list these functions, quote this
 passage) repeats n-grams of it: after the last ``n`` tokens, the tokens that followed
@@ -7,6 +8,13 @@ to make the guess; the pipeline checks the guess in the step it runs anyway (one
 drafted token beside the session's own), and the scheduler keeps what the model itself
 picks (``Pipeline`` and ``Scheduler`` hold the rule). The same idea as llama.cpp's
 ``lookup`` example and transformers' ``prompt_lookup_num_tokens``.
+
+Whether a draft pays depends on the hardware: on a GPU a step's extra rows cost almost
+nothing, on a CPU each costs a good part of a row (SmolLM2 Q4_1 on one core: a 1-row step
+7.5 ms, 2 rows 14.5, 5 rows 24, 9 rows 38). ``StepCost`` learns that curve from the steps
+the scheduler runs, each session learns how often its drafted tokens are taken, and
+``best_draft`` picks the draft length that makes the most tokens per second: none where
+drafts do not pay (free text on a CPU), several where they do.
 """
 
 from __future__ import annotations
@@ -14,40 +22,51 @@ from __future__ import annotations
 MAX_NGRAM = 4  # the longest suffix matched first: a longer match is a surer guess
 MIN_NGRAM = 2  # a single token recurs too often in free text to guess from
 MAX_DRAFT = 8  # tokens drafted per step at most
-START_DRAFT = 4
+DECAY = 0.8  # of the acceptance counts at each draft (recent drafts weigh most)
+EMA = 0.2  # weight of a new step time in ``StepCost``
 
 
 class PromptLookup:
     """The n-grams of one session's tokens, each mapped to the position of the token that
-    followed its latest occurrence; kept up to date as the session's tokens grow."""
+    followed its latest occurrence, kept up to date as the session's tokens grow; and how
+    often this session's drafted tokens were taken (decayed counts, a prior of one each)."""
 
     def __init__(self) -> None:
         self._after: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # followers at positions below this are in ``_after``
-        self.k = START_DRAFT  # drafts asked for next: grows while they are taken, shrinks when not
+        self.taken_n, self.missed_n = 1.0, 1.0
+        self.guess: int | None = None  # the first token of a draft not sent (its outcome is still news)
+
+    @property
+    def rate(self) -> float:
+        """The chance that a drafted token is taken, as seen so far."""
+        return self.taken_n / (self.taken_n + self.missed_n)
 
     def draft(self, tokens: list[int], most: int) -> list[int]:
-        """Up to ``min(most, k)`` tokens that followed the latest earlier occurrence of the
-        longest suffix of ``tokens`` (MAX_NGRAM down to MIN_NGRAM tokens) seen before; []
-        when no suffix recurs."""
+        """Up to ``most`` tokens that followed the latest earlier occurrence of the longest
+        suffix of ``tokens`` (MAX_NGRAM down to MIN_NGRAM tokens) seen before; [] when no
+        suffix recurs."""
         self._index(tokens)
-        want = min(most, self.k)
-        if want <= 0:
+        if most <= 0:
             return []
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
             if len(tokens) <= n:
                 continue
             at = self._after.get(tuple(tokens[-n:]))
             if at is not None:
-                return tokens[at:at + want]
+                return tokens[at:at + most]
         return []
 
     def taken(self, drafted: int, accepted: int) -> None:
-        """How a draft went: ``k`` follows the acceptance (all taken: more next time; none: fewer)."""
-        if drafted and accepted == drafted:
-            self.k = min(MAX_DRAFT, self.k + 2)
-        elif drafted and accepted == 0:
-            self.k = max(1, self.k // 2)
+        """How a draft went: ``accepted`` of its ``drafted`` tokens taken (then one missed,
+        unless all were taken)."""
+        self.taken_n = self.taken_n * DECAY + accepted
+        self.missed_n = self.missed_n * DECAY + (accepted < drafted)
+
+    def held_back(self, guess: int, token: int) -> None:
+        """A draft's first token that was not sent (it did not pay) against the token the
+        step gave: a draft's worth is still learned while none is sent."""
+        self.taken(1, int(guess == token))
 
     def _index(self, tokens: list[int]) -> None:
         """Record each n-gram that ends before a known follower: the one ending at ``p``
@@ -59,3 +78,35 @@ class PromptLookup:
             for n in range(MIN_NGRAM, min(MAX_NGRAM, p) + 1):
                 self._after[tuple(tokens[p - n:p])] = p
         self._indexed = max(self._indexed, len(tokens))
+
+
+class StepCost:
+    """What a step of one session costs, learned from the steps run: ``plain`` seconds
+    for its one row, ``row`` more for each drafted row beside it."""
+
+    def __init__(self) -> None:
+        self.plain: float | None = None
+        self.row: float | None = None
+
+    def ran(self, seconds: float, drafted: int) -> None:
+        """A step of one session with ``drafted`` draft rows took ``seconds``."""
+        if drafted == 0:
+            self.plain = seconds if self.plain is None else (1 - EMA) * self.plain + EMA * seconds
+        elif self.plain is not None:
+            extra = max(0.0, (seconds - self.plain) / drafted)
+            self.row = extra if self.row is None else (1 - EMA) * self.row + EMA * extra
+
+    def best_draft(self, rate: float, most: int) -> int:
+        """The draft length (0..most) that makes the most tokens per second at ``rate``:
+        k drafts give 1 + rate + ... + rate^k tokens for plain + k * row seconds. Before a
+        plain step was timed, none; before a drafted one, a row is taken to cost a quarter
+        of a plain step (it is learned at the first drafted step)."""
+        if self.plain is None or most <= 0:
+            return 0
+        row = self.row if self.row is not None else self.plain / 4
+        best, best_rate, tokens = 0, 1.0 / self.plain, 1.0
+        for k in range(1, min(most, MAX_DRAFT) + 1):
+            tokens += rate ** k
+            if (r := tokens / (self.plain + k * row)) > best_rate:
+                best, best_rate = k, r
+        return best

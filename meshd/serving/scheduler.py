@@ -25,7 +25,7 @@ import torch
 
 from meshd.control.timing import StepTimes
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
-from meshd.serving.lookup import PromptLookup
+from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from meshd.serving.traces import Chain
@@ -186,6 +186,7 @@ class Scheduler:
         self.max_batch = 0
         self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
         self.speculate = speculate  # prompt lookup drafts for sessions without a grammar
+        self.step_cost = StepCost()  # what a step's decode row and its drafted rows cost here
         self.drafted = 0  # tokens drafted, taken, and the steps that checked a draft
         self.accepted = 0
         self.draft_steps = 0
@@ -212,10 +213,13 @@ class Scheduler:
                 lane.sessions = rotate_batch(lane.sessions, batch)
             for s in batch:
                 s.in_step = True
-            self._draft(batch)
+            timed = self._draft(batch)  # a lone decode row: its time teaches what a step costs
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
+            began = time.monotonic()
             try:
                 results = await self.pipeline.step(batch, _pick, times)
+                if timed:
+                    self.step_cost.ran(time.monotonic() - began, len(batch[0].draft))
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
@@ -242,6 +246,9 @@ class Scheduler:
                 if s.trace is not None:
                     s.trace.stepped(times, got is not None)
                 drafted, s.draft = s.draft, []
+                guess = s.lookup.guess if s.lookup is not None else None
+                if guess is not None:
+                    s.lookup.guess = None
                 if got is None or s.finished:
                     continue
                 if s.params.max_tokens == 0:  # only the prompt's logprobs were asked for: they are in
@@ -250,6 +257,8 @@ class Scheduler:
                 tokens = got if isinstance(got, list) else [got]
                 if drafted and isinstance(got, list):
                     self._taken(s, len(drafted), len(got) - 1)
+                elif guess is not None:
+                    s.lookup.held_back(guess, tokens[0])
                 for token in tokens:  # one, or a checked draft's: each as a step of its own would give it
                     if token in s.eos and not s.params.ignore_eos:
                         self._finish(s, None)
@@ -264,16 +273,30 @@ class Scheduler:
                     lane.sessions.remove(s)
                     self._enqueue_decode(s)
 
-    def _draft(self, batch: list[Session]) -> None:
-        """Prompt lookup drafts for the step's sessions that decode (one row to go), while
-        the step is small enough that checking them costs less than the tokens they save."""
+    def _draft(self, batch: list[Session]) -> bool:
+        """Prompt lookup drafts for the step's sessions that decode (one row to go), in a
+        step small enough for them, each as long as pays best on this peer's measured step
+        costs and the session's own rate of taken drafts (none where that is too low: the
+        first guessed token is still checked against what the step gives). True where the
+        step is one session's decode row, whose time is then a step cost to learn from."""
+        plan = self.pipeline.plan
+        decoding = [s for s in batch if plan is not None and s.term == plan.term
+                    and s.cached == len(s.tokens) - 1 and not s.finished]
         if not self.speculate or len(batch) > SPECULATE_UP_TO:
-            return
-        for s in batch:
-            if s.lookup is None or s.cached != len(s.tokens) - 1 or s.finished:
+            return False
+        for s in decoding:
+            if (look := s.lookup) is None:
                 continue
             # Room: the draft's rows and the token after them within max_tokens (its KV share).
-            s.draft = s.lookup.draft(s.tokens, s.params.max_tokens - len(s.generated) - 1)
+            guess = look.draft(s.tokens, min(MAX_DRAFT, s.params.max_tokens - len(s.generated) - 1))
+            if not guess:
+                continue
+            k = self.step_cost.best_draft(look.rate, len(guess))
+            if k:
+                s.draft = guess[:k]
+            else:
+                look.guess = guess[0]
+        return len(batch) == 1 and len(decoding) == 1
 
     def _taken(self, s: Session, drafted: int, accepted: int) -> None:
         s.lookup.taken(drafted, accepted)
