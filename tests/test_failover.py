@@ -161,6 +161,7 @@ def test_sigkill_of_a_stage_mid_stream_loses_no_token(fm):
     victim = fm.stage()
     entry = fm.entry(victim)
     term = fm.view["term"]
+    drafts = wait_status(fm.mesh, fm.supernode, lambda v: True, "status")["node"]["scheduler"]["speculation"]
     s, t_fault = faulted_stream(fm, entry, victim.kill)
     check_stream(fm, s, fm.reference, f"SIGKILL of stage {victim.name}, stream via {entry.name}")
     view = terms_after(fm, entry, term, lost=victim)
@@ -168,6 +169,9 @@ def test_sigkill_of_a_stage_mid_stream_loses_no_token(fm):
     sup = terms_after(fm, fm.supernode, term, lost=victim)
     # One loss is one re-plan (a second one would replay every stream again).
     assert sup["term"] == term + 1, [(t["term"], t["reason"]) for t in sup["terms"]]
+    # The tiny model's answer settles into a repeated token: speculative drafts (prompt
+    # lookup) were checked and taken in this stream's steps, before and after the replay.
+    assert sup["node"]["scheduler"]["speculation"]["accepted"] > drafts["accepted"], sup["node"]["scheduler"]
     print(f"\nSIGKILL stage: gap {s.gap_after(t_fault) * 1000:.0f} ms; term {term} -> {sup['term']}")
 
 

@@ -193,11 +193,13 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
                 await asyncio.wait((work,))
         if not work.cancelled():
             return work.result()
-    why = "the supernode could not finish the request: this peer is shutting down"
-    log.warning("relay_cut", reason="this peer's drain deadline", path=request.path)
-    if client.resp is None:
-        raise NoCapacity(why)
-    return await client.end(error_json(why, 503))
+        # Still counted as a relay while its end is written: the stop waits for it (up to its
+        # abort grace), and only then closes the server's connections.
+        why = "the supernode could not finish the request: this peer is shutting down"
+        log.warning("relay_cut", reason="this peer's drain deadline", path=request.path)
+        if client.resp is None:
+            raise NoCapacity(why)
+        return await client.end(error_json(why, 503))
 
 
 async def _proxy_completion(node: Upstream, client: _Client, body: dict, chat: bool,
