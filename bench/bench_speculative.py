@@ -5,7 +5,7 @@ free text, each daemon pinned to its own core with one thread (bench_pipeline.py
 Configurations, all started first and measured in turns (a round of each at a time, the
 order reversed every other round: this shared box's speed drifts over minutes):
 
-- ``1-off`` / ``1-on``: one daemon on core 0, ``--no-speculate`` or the default
+- ``1-off`` / ``1-on``: one daemon on core 0, ``--speculate off`` or the default (auto)
 - ``2-off`` / ``2-on``: two daemons, the supernode on core 0, the second peer on core 1
 
 Each request is a greedy stream of ``--tokens`` tokens; decode tok/s runs from its first
@@ -64,7 +64,7 @@ FREE = [
     "Explain why the sky is blue to a ten year old.",
     "Describe a walk through a forest in autumn.",
 ]
-CONFIGS = {"1-off": (1, ("--no-speculate",)), "1-on": (1, ()), "2-off": (2, ("--no-speculate",)), "2-on": (2, ())}
+CONFIGS = {"1-off": (1, ("--speculate", "off")), "1-on": (1, ()), "2-off": (2, ("--speculate", "off")), "2-on": (2, ())}
 TARGETS = {"extraction on/off, 1 peer": 1.8, "extraction on/off, 2 peers": 1.8,
            "extraction 2 peers / 1 peer, on": 1.0, "free on/off, 1 peer": 0.95, "free on/off, 2 peers": 0.95}
 

@@ -34,6 +34,8 @@ def default_state_dir() -> Path:
     return Path(base) / "meshd"
 
 
+SPECULATE = ("auto", "always", "off")
+
 @dataclass(frozen=True, slots=True)
 class Config:
     name: str = field(default_factory=socket.gethostname)
@@ -95,8 +97,10 @@ class Config:
     # with the same tokens (a chat's next turn); inside the KV budget; 0: none.
     prefix_cache_entries: int = 32
     # Speculative decoding: the supernode drafts tokens from a session's own tokens (prompt
-    # lookup) and checks them in the step it runs anyway; the tokens are the same with it off.
-    speculate: bool = True
+    # lookup) and checks them in the step it runs anyway; the tokens are the same either way.
+    # "auto": drafts as long as pay on this peer's measured step costs; "always": every
+    # match drafted in full (rows nearly free: a GPU; or to compare); "off".
+    speculate: str = "auto"
     log_level: str = "info"
     # Browser origins allowed to call the API (CORS), "*" for any; none by default.
     # /v1/mesh/* (control) answers only cors_mesh_origins, none by default.
@@ -146,6 +150,8 @@ class Config:
             raise ConfigError("max_connections: must be at least 8")
         if self.http_idle_s <= 0:
             raise ConfigError("http_idle_s: must be > 0")
+        if self.speculate not in SPECULATE:
+            raise ConfigError(f"speculate: one of {', '.join(SPECULATE)}")
         if not 1 <= self.batch_concurrency <= 1024:
             raise ConfigError("batch_concurrency: must be from 1 to 1024")
         if self.batch_max_bytes < 1 << 20:

@@ -68,6 +68,7 @@ def test_unknown_environment_variable_is_named():
     ({"env": {"MESHD_MDNS": "maybe"}}, "mdns"),
     ({"env": {"MESHD_DRAIN_TIMEOUT_S": "x"}}, "drain_timeout_s"),
     ({"flags": {"dtype": "int4"}}, "dtype"),
+    ({"env": {"MESHD_SPECULATE": "sometimes"}}, "speculate"),
 ])
 def test_bad_values_are_named(tmp_path, source, named):
     file = toml(tmp_path, source["file"]) if "file" in source else None

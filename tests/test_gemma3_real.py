@@ -17,8 +17,9 @@ import pytest
 
 from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
+from tests.fixtures.api import EXTRACT
 from tests.fixtures.shared import state_dir, state_lock
-from tests.meshlab import complete
+from tests.meshlab import complete, http_json
 from tests.test_model import replay_divergences
 
 transformers = pytest.importorskip("transformers")
@@ -155,7 +156,7 @@ def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     prompt = "The three largest cities of Italy are"
     hosts = [meshlab.lab.add_host() for _ in range(3)]
     daemons = [meshlab.start(h, model=str(gemma_dir) if i == 0 else "gemma3-270m", vram=(3 - i) * 10**9,
-                             layer_delay_ms=20.0, extra=("--no-replicate",))
+                             layer_delay_ms=20.0, extra=("--no-replicate", "--speculate", "always"))
                for i, h in enumerate(hosts)]
     view = meshlab.wait_converged(daemons, n_stages=2)
     owners = {a["node"] for a in view["plan"]}
@@ -164,6 +165,14 @@ def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     got, _ = complete(entry.url, prompt, 12)
     want = _one_node(gemma_dir, prompt, 12)
     assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
+    # Speculative drafts over Gemma's spans (sliding-window layers included): an answer that
+    # repeats its prompt, drafts taken, the tokens one node gives one row at a time.
+    got, _ = complete(entry.url, EXTRACT, 32)
+    want = _one_node(gemma_dir, EXTRACT, 32)
+    assert got == want, f"mesh {got} != one node {want}" + meshlab.fail_report()
+    supernode = next(d for d in daemons if d.node_id == view["supernode"])
+    spec = http_json(supernode.url + "/status")[1]["node"]["scheduler"]["speculation"]
+    assert spec["accepted"] > 0, spec
 
 
 def test_a_replay_continues_as_the_stream_it_replaces(gemma_dir):

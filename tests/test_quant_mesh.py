@@ -50,7 +50,7 @@ def test_real_gguf_kept_quantized_across_peers_equals_one_node(meshlab, real_mod
     prompt, n = "Once upon a time, in a small village by the sea,", 24
     hosts = [meshlab.lab.add_host() for _ in range(3)]
     daemons = [meshlab.start(h, model=str(real_model_dir) if i == 0 else m.name, vram=(3 - i) * 10**9,
-                             layer_delay_ms=2.0)
+                             layer_delay_ms=2.0, extra=("--speculate", "always"))  # drafts whatever they cost
                for i, h in enumerate(hosts)]
     view = meshlab.wait_converged(daemons, n_stages=2, timeout=180)
     owners = {a["node"] for a in view["plan"]}

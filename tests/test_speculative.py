@@ -1,16 +1,19 @@
 """Speculative decoding by prompt lookup: drafts from a session's own tokens, checked in the
 step it runs anyway, give the same tokens as one row at a time. On the real default model
 (SmolLM2 Q4_1 kept quantized) through a real in-process node: greedy, seeded sampling with
-logprobs, penalties, several choices and stop strings, each with speculation on and off;
-the node's counters show drafts were taken (a test whose prompts never drafted would prove
-nothing). The mesh (three namespaced peers) is checked in tests/test_quant_mesh.py."""
+logprobs, penalties, several choices, stop strings and a json_schema grammar, each with
+speculation on and off; the node's counters show drafts were taken (a test whose prompts
+never drafted would prove nothing). Gemma 3 is checked in tests/test_gemma3_real.py, the
+mesh (three namespaced peers) in tests/test_quant_mesh.py."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import pytest_asyncio
 
-from tests.fixtures.api import EXTRACT, complete
+from tests.fixtures.api import EXTRACT, RECORD, complete
 from tests.fixtures.daemon import running_node
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.real_model]
@@ -21,7 +24,9 @@ CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def served(real_model_dir, tmp_path_factory):
-    async with running_node(real_model_dir, tmp_path_factory.mktemp("spec-state")) as node:
+    # Every lookup match drafted in full: how many pay (measured step costs, which a loaded box
+    # moves) is tests/test_lookup.py's, and bench/bench_speculative.py's to measure.
+    async with running_node(real_model_dir, tmp_path_factory.mktemp("spec-state"), speculate="always") as node:
         yield node
 
 
@@ -75,3 +80,17 @@ async def test_chat_and_its_usage_are_the_same_with_drafts(client, served):
     assert on["choices"][0]["message"] == off["choices"][0]["message"]
     assert on["usage"] == off["usage"]
 
+
+
+async def test_a_json_schema_answer_is_the_same_with_drafts(client, served):
+    """A grammar's matcher takes each pick in turn; the picks of a checked draft are the
+    tokens kept, so a constrained answer drafts too and is unchanged."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                               "city": {"type": "string"}}, "required": ["name", "born", "city"]}
+    # The grammar writes JSON without spaces: so does this prompt, for the answer to repeat it.
+    compact = EXTRACT.replace(json.dumps(RECORD), json.dumps(RECORD, separators=(",", ":")))
+    body = {"messages": [{"role": "user", "content": compact}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+    off, on, spec = await _both(client, served, body, "/v1/chat/completions")
+    assert on["choices"][0]["message"] == off["choices"][0]["message"]
+    assert spec["accepted"] > 0, spec

@@ -168,7 +168,7 @@ class Lane:
 
 class Scheduler:
     def __init__(self, pipeline: Pipeline, tokenizer: MeshTokenizer | None, kv_budget_tokens: int | None = None,
-                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32, speculate: bool = True):
+                 on_finished: Callable[[], None] | None = None, prefix_entries: int = 32, speculate: str = "auto"):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
         self.kv_budget_tokens = kv_budget_tokens
@@ -185,7 +185,8 @@ class Scheduler:
         self.shared_steps = 0  # steps that carried more than one session
         self.max_batch = 0
         self.prefix = PrefixCache(prefix_entries)  # finished sessions' caches, inside the KV budget
-        self.speculate = speculate  # prompt lookup drafts for sessions without a grammar
+        self.speculate = speculate != "off"  # prompt lookup drafts for decoding sessions
+        self.draft_always = speculate == "always"  # every match in full, whatever it costs
         self.step_cost = StepCost()  # what a step's decode row and its drafted rows cost here
         self.drafted = 0  # tokens drafted, taken, and the steps that checked a draft
         self.accepted = 0
@@ -291,7 +292,7 @@ class Scheduler:
             guess = look.draft(s.tokens, min(MAX_DRAFT, s.params.max_tokens - len(s.generated) - 1))
             if not guess:
                 continue
-            k = self.step_cost.best_draft(look.rate, len(guess))
+            k = len(guess) if self.draft_always else self.step_cost.best_draft(look.rate, len(guess))
             if k:
                 s.draft = guess[:k]
             else:
@@ -475,8 +476,9 @@ class Scheduler:
                           client=client if priority is Priority.INTERACTIVE else None,
                           request=request if request is not None else object(), trace=trace,
                           prompt_scores={} if params.prompt_logprobs is not None else None,
-                          # a grammar's matcher cannot take back a draft's tokens: no drafts for it
-                          lookup=PromptLookup() if self.speculate and mask is None else None)
+                          # A grammar's matcher takes each pick in turn: the picks of a checked draft
+                          # are the tokens kept, so it never needs to take one back.
+                          lookup=PromptLookup() if self.speculate else None)
         self._admit(session)
         return session
 

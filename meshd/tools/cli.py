@@ -59,9 +59,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--prefix-cache-entries", type=int, metavar="N",
                      help="finished sessions whose KV stays for reuse by a request starting with the same tokens "
                           "(default 32; 0: off)")
-    run.add_argument("--no-speculate", dest="speculate", action="store_const", const=False,
-                     help="no speculative decoding (drafts from the prompt, checked in the same step: "
-                          "the same tokens either way)")
+    run.add_argument("--speculate", choices=("auto", "always", "off"),
+                     help="speculative decoding: drafts from the session's own tokens, checked in the step "
+                          "it runs anyway, the same tokens either way; auto (default): as many as pay on "
+                          "this peer's measured step costs, always: every match in full, off")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")
