@@ -23,6 +23,7 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 EMBED_FILE = "embed.safetensors"
 _CHUNK = 1 << 20
+MAX_FILE_NAME = 200  # bytes of a shard file's name (file systems refuse past 255)
 
 
 def layer_file(i: int) -> str:
@@ -41,12 +42,16 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
 
 
 def check_file_name(name: str) -> str:
-    """A manifest names plain files inside the model directory, nothing else."""
+    """A manifest names plain files inside the model directory, nothing else: not the
+    manifest itself, no hidden or partial file, no name a file system refuses as too long."""
     p = PurePosixPath(name)
     if (not name or "/" in name or "\\" in name or "\x00" in name or p.is_absolute()
             or name in (".", "..") or name.startswith("..") or os.sep in name
             or (os.altsep is not None and os.altsep in name)):
         raise ModelError(f"manifest file name {name!r} points outside the model directory")
+    if name.startswith(".") or name == MANIFEST_FILE or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME:
+        raise ModelError(f"manifest file name {name[:80]!r} is not a shard file's (hidden, the manifest itself, "
+                         f"or longer than {MAX_FILE_NAME} bytes)")
     return name
 
 

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shards.errors import ModelError
+from shards.errors import ModelError, ShardsError
 from shards import qlinear, quant, rowops
 from shards.config import ModelConfig
 from shards.families import family
@@ -409,10 +409,28 @@ def _read(path: Path, keys: list[tuple[str, str]], device: torch.device, dtype: 
     return out
 
 
+# What a model directory's values can raise past the checks made on them (a manifest's quant
+# records or config of the wrong type or range, a shard's tensor of the wrong dtype or shape):
+# a model that does not load, not a crash of the task that loads it.
+LOAD_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, ArithmeticError, RuntimeError,
+               MemoryError)
+
+
 def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                verify: bool = True) -> tuple[Stage, Manifest]:
-    """Build a stage on the meta device and fill it from just its own shard files."""
+    """Build a stage on the meta device and fill it from just its own shard files; a model
+    whose files do not make one is a ModelError, whatever fails first."""
+    try:
+        return _load_stage(model_dir, span, embed, head, device, dtype, verify)
+    except LOAD_ERRORS as exc:
+        if isinstance(exc, ShardsError):  # (InvalidParams is a ValueError)
+            raise
+        raise ModelError(f"model in {model_dir} does not load: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool, device: torch.device | str,
+                dtype: torch.dtype, verify: bool) -> tuple[Stage, Manifest]:
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
     family(manifest.architecture)  # a model of an architecture this meshd does not know is refused

@@ -21,8 +21,8 @@ end-of-generation id, and an incremental decoder that never emits half a charact
 
 from __future__ import annotations
 
+import contextlib
 import functools
-
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -200,6 +200,19 @@ def _with_added_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> T
     return Tokenizer.from_str(json.dumps(data))
 
 
+@contextlib.contextmanager
+def _no_panic(what: str):
+    """A panic inside the tokenizers library (a model file's pre-tokenizer regex that hits
+    the regex engine's limits, on some text) as a ModelError: pyo3 raises it as a
+    BaseException, past every ``except Exception`` (a server's handler, a task group)."""
+    try:
+        yield
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ModelError(f"the model's tokenizer failed to {what} this text: {str(exc)[:200]}") from None
+
+
 class StreamDecoder:
     """Turns token ids into text as they arrive, holding back bytes of an unfinished character.
 
@@ -264,7 +277,10 @@ class MeshTokenizer:
         path = model_dir / TOKENIZER_FILE
         if not path.is_file():
             raise ModelError(f"{model_dir} has no {TOKENIZER_FILE}")
-        tok = Tokenizer.from_file(str(path))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library's own (a file it cannot read): the model's fault
+            raise ModelError(f"{path} does not load: {str(exc)[:300]}") from None
         manifest = Manifest.load(model_dir)
         c = manifest.config
         if tok.get_vocab_size() > c.vocab_size:
@@ -292,14 +308,16 @@ class MeshTokenizer:
         ``add_special``: also what the tokenizer puts around a text (BOS where the model wants it)."""
         # encode_batch, unlike encode, lets go of the GIL while it works: a long prompt
         # tokenized on a worker thread then stalls nobody else (a 1 MiB one takes ~1 s).
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special)[0].ids
+        with _no_panic("encode"):
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A completion prompt as the model expects it: with BOS where the model wants one."""
         return self.encode(text, add_special=True)
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+        with _no_panic("decode"):
+            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self.tokenizer, skip_special)

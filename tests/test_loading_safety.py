@@ -122,3 +122,54 @@ def test_manifest_pointing_outside_is_refused_at_load(model, bad, no_unpickling)
     rewrite_manifest(model, lambda d: d["files"].__setitem__(bad, {"sha256": "0" * 64, "size": 1}))
     with pytest.raises(ModelError, match="outside"):
         load(model, Span(0, 1))
+
+
+@pytest.mark.parametrize("quant", ["int8", {"tensors": []}, {"tensors": {"layers.0.attention.wq.weight": []}}],
+                         ids=["a-string", "tensors-a-list", "a-record-a-list"])
+def test_a_manifests_quant_of_the_wrong_shape_is_a_model_error(model, quant):
+    """A peer's manifest is read before any tensor: values of the wrong type are a refusal
+    (a Reject of the plan), never a crash of the task loading it, nor of the next start."""
+    rewrite_manifest(model, lambda d: d.__setitem__("quant", quant))
+    with pytest.raises(ModelError):
+        load(model, Span(0, 1))
+
+
+def test_a_shards_tensor_of_the_wrong_dtype_or_shape_is_a_model_error(model):
+    from safetensors.torch import load_file, save_file
+
+    path = model / layer_file(0)
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith("norm.weight"))
+    for bad in (tensors[name].to(torch.int8), torch.zeros(3)):
+        save_file(tensors | {name: bad}, path)
+        vouch(model, layer_file(0))
+        with pytest.raises(ModelError, match="does not load"):
+            load(model, Span(0, 1))
+
+
+@pytest.mark.parametrize("bad", ["manifest.json", ".hidden.safetensors", "x" * 300 + ".safetensors"],
+                         ids=["the-manifest", "hidden", "300-bytes"])
+def test_a_manifest_naming_itself_a_hidden_file_or_a_name_too_long_is_refused(model, bad):
+    rewrite_manifest(model, lambda d: d["files"].__setitem__(bad, {"sha256": "0" * 64, "size": 1}))
+    with pytest.raises(ModelError, match="not a shard file"):
+        Manifest.load(model)
+
+
+def test_a_tokenizer_whose_regex_panics_is_a_model_error_not_a_base_exception(model):
+    """A pre-tokenizer regex that hits the regex engine's limit on ordinary text: the
+    tokenizers library panics, which pyo3 raises as a BaseException that passes every
+    ``except Exception`` (a handler, a task group). It is a ModelError here."""
+    from shards.tokenizer import MeshTokenizer
+
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(.*?.){12}$."}, "behavior": "Isolated", "invert": False},
+        data["pre_tokenizer"]]}
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    vouch(model, "tokenizer.json")
+    tok = MeshTokenizer.load(model)
+    with pytest.raises(ModelError, match="tokenizer failed"):
+        tok.encode("Hello, how are you today? Tell me a story about the sea and the ships.")
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelError, match="does not load"):
+        MeshTokenizer.load(model)

@@ -258,7 +258,12 @@ class Leader:
             log.error("supernode_no_model", error=str(exc))
             await self._cannot_serve(NotServing.NO_MODEL, f"the supernode has no model: {exc}")
             return
-        chat_template = self.use_model(model_dir, manifest)
+        try:
+            chat_template = self.use_model(model_dir, manifest)
+        except KNOWN_ERRORS as exc:  # its tokenizer does not load: no plan can serve
+            log.error("supernode_no_model", error=str(exc))
+            await self._cannot_serve(NotServing.NO_MODEL, f"the supernode cannot use the model: {exc}")
+            return
         await self._sample_round_trips()
         excluded: dict[NodeId, str] = {}
         view_retries = 0

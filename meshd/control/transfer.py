@@ -83,13 +83,24 @@ class TokenCheck:
         return node_id
 
 
+# A source that stalls (or trickles) must not hold a plan's load, or replication, forever:
+# no byte for STALL_S fails the fetch, and so does a file slower than MIN_RATE bytes/s.
+STALL_S = 60.0
+MIN_RATE = 100_000
+
+
+def _deadline(size: int) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=STALL_S + size / MIN_RATE, connect=10, sock_read=STALL_S)
+
+
 def files_path(model: str, name: str) -> str:
     return f"/mesh/files/{model}/{name}"
 
 
 async def fetch_manifest(session: aiohttp.ClientSession, base: str, secret: bytes, me: str, model: str) -> Manifest:
     path = files_path(model, MANIFEST_FILE)
-    async with session.get(base + path, headers={AUTH_HEADER: files_token(secret, me, path)}) as resp:
+    async with session.get(base + path, headers={AUTH_HEADER: files_token(secret, me, path)},
+                           timeout=_deadline(MAX_MANIFEST_BYTES)) as resp:
         if resp.status != 200:
             raise ShardMissing(f"{base} has no manifest for {model}: HTTP {resp.status}")
         raw = await resp.content.read(MAX_MANIFEST_BYTES + 1)
@@ -114,7 +125,8 @@ async def fetch_files(
         tmp = dest / f".{name}.part"
         digest = hashlib.sha256()
         t0 = time.monotonic()
-        async with session.get(base + path, headers={AUTH_HEADER: files_token(secret, me, path)}) as resp:
+        async with session.get(base + path, headers={AUTH_HEADER: files_token(secret, me, path)},
+                               timeout=_deadline(entry.size)) as resp:
             if resp.status != 200:
                 raise ShardMissing(f"{base} could not send {name}: HTTP {resp.status}")
             with open(tmp, "wb") as f:
