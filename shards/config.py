@@ -25,6 +25,11 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 ROPE_KINDS = ("linear", "dynamic", "llama3", "factors")
 
 
+def _positive(value: object) -> bool:
+    """A finite number above zero (not a bool, not a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Rope frequencies other than ``theta ** (-2i / hd)``.
@@ -52,8 +57,18 @@ class RopeScaling:
                 raise ModelError(f"rope scaling {self.kind} needs {name}")
         if self.kind == "factors" and not self.freq_factors:
             raise ModelError("rope scaling by factors needs freq_factors")
-        if self.factor <= 0:
-            raise ModelError(f"rope scaling factor {self.factor} must be positive")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise ModelError(f"rope scaling {name}={value!r} must be a finite positive number")
+        if self.low_freq_factor is not None and self.low_freq_factor == self.high_freq_factor:
+            raise ModelError("rope scaling low_freq_factor and high_freq_factor must differ")
+        if self.original_max_position is not None and (type(self.original_max_position) is not int
+                                                       or self.original_max_position < 1):
+            raise ModelError(f"rope scaling original_max_position={self.original_max_position!r} must be an "
+                             "integer from 1")
+        if not all(_positive(f) for f in self.freq_factors):
+            raise ModelError("rope scaling freq_factors must be finite positive numbers")
 
     def to_dict(self) -> dict:
         return {f.name: (list(v) if isinstance(v, tuple) else v)
@@ -113,6 +128,16 @@ class ModelConfig:
             raise ModelError(f"head_dim={self.head_dim} must be even for rope")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelError(f"activation {self.hidden_act!r} is not supported (known: {', '.join(ACTIVATIONS)})")
+        for name in ("rope_local_theta", "embed_scale", "query_scale", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value):
+                raise ModelError(f"model config {name}={value!r} must be a finite positive number")
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window < 1):
+            raise ModelError(f"model config sliding_window={self.sliding_window!r} must be an integer from 1")
+        rs = self.rope_scaling
+        if rs is not None and rs.freq_factors and len(rs.freq_factors) != self.head_dim // 2:
+            raise ModelError(f"rope scaling names {len(rs.freq_factors)} freq_factors, head_dim {self.head_dim} "
+                             f"has {self.head_dim // 2} frequencies")
         if self.layer_types:
             if len(self.layer_types) != self.n_layers:
                 raise ModelError(f"layer_types names {len(self.layer_types)} layers, the model has {self.n_layers}")

@@ -173,3 +173,20 @@ def test_a_tokenizer_whose_regex_panics_is_a_model_error_not_a_base_exception(mo
     (model / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelError, match="does not load"):
         MeshTokenizer.load(model)
+
+
+@pytest.mark.parametrize("edit", [
+    {"query_scale": "x"}, {"embed_scale": -1.0}, {"final_softcap": float("inf")}, {"sliding_window": 0},
+    {"rope_scaling": {"kind": "llama3", "factor": 8.0, "low_freq_factor": 0, "high_freq_factor": 4.0,
+                      "original_max_position": 8192}},
+    {"rope_scaling": {"kind": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                      "original_max_position": 8192}},
+    {"rope_scaling": {"kind": "factors", "freq_factors": [1.0, 2.0, 3.0]}},
+], ids=["query-scale-string", "embed-scale-negative", "softcap-inf", "window-0", "llama3-low-0",
+        "llama3-low-equals-high", "factors-too-few"])
+def test_a_config_value_that_would_fail_mid_forward_is_refused_when_read(model, edit):
+    """Values read once and used at every forward (a ZeroDivisionError there would end the
+    link that carried the step): refused when the manifest is read."""
+    rewrite_manifest(model, lambda d: d["config"].update(edit))
+    with pytest.raises(ModelError):
+        Manifest.load(model)
