@@ -42,13 +42,19 @@ def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> st
 
 
 def check_file_name(name: str) -> str:
-    """A manifest names plain files inside the model directory, nothing else: not the
-    manifest itself, no hidden or partial file, no name a file system refuses as too long."""
+    """A manifest names plain files inside the model directory, nothing else."""
     p = PurePosixPath(name)
     if (not name or "/" in name or "\\" in name or "\x00" in name or p.is_absolute()
             or name in (".", "..") or name.startswith("..") or os.sep in name
             or (os.altsep is not None and os.altsep in name)):
         raise ModelError(f"manifest file name {name!r} points outside the model directory")
+    return name
+
+
+def check_shard_name(name: str) -> str:
+    """A name a manifest may list: a plain file (``check_file_name``), and not the manifest
+    itself, a hidden or partial file, or a name a file system refuses as too long."""
+    check_file_name(name)
     if name.startswith(".") or name == MANIFEST_FILE or len(name.encode("utf-8", "surrogatepass")) > MAX_FILE_NAME:
         raise ModelError(f"manifest file name {name[:80]!r} is not a shard file's (hidden, the manifest itself, "
                          f"or longer than {MAX_FILE_NAME} bytes)")
@@ -88,7 +94,7 @@ class Manifest:
 
     def __post_init__(self) -> None:
         for name in self.files:
-            check_file_name(name)
+            check_shard_name(name)
 
     @property
     def n_layers(self) -> int:

@@ -160,8 +160,7 @@ def serve_file(model_dir: Path | None, manifest: Manifest | None, model: str, na
     if model_dir is None or manifest is None or manifest.name != model:
         raise web.HTTPNotFound(reason=f"model {model} is not here")
     try:
-        if name != MANIFEST_FILE:  # the one file served that no manifest lists
-            check_file_name(name)
+        check_file_name(name)
     except ModelError:
         raise web.HTTPBadRequest(reason="bad file name") from None
     if name != MANIFEST_FILE and name not in manifest.files:
