@@ -165,6 +165,14 @@ class NodeMetrics:
         return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _counters(prefix: str, values: dict, names: tuple[tuple[str, str], ...]):
+    """A counter family per (name, help) of ``names``, read from ``values``."""
+    for name, what in names:
+        counter = CounterMetricFamily(prefix + name, what)
+        counter.add_metric([], values[name])
+        yield counter
+
+
 class _StateCollector:
     """Gauges read from the view and the status at scrape time."""
 
@@ -232,19 +240,14 @@ class _StateCollector:
         entries = GaugeMetricFamily("meshd_prefix_cache_entries", "Finished sessions whose KV is kept for reuse")
         entries.add_metric([], prefix["entries"])
         yield entries
-        for name, what in (("hits", "New sessions that took over a cached prefix"),
-                           ("misses", "New sessions that found no cached prefix"),
-                           ("tokens_saved", "Prompt positions not computed again thanks to a cached prefix")):
-            counter = CounterMetricFamily(f"meshd_prefix_cache_{name}", what)
-            counter.add_metric([], prefix[name])
-            yield counter
-        spec = status["node"]["scheduler"]["speculation"]
-        for name, what in (("drafted", "Tokens drafted by prompt lookup and checked in a step"),
-                           ("accepted", "Drafted tokens the model's own picks matched (kept)"),
-                           ("steps", "Steps that checked a session's draft")):
-            counter = CounterMetricFamily(f"meshd_speculative_{name}", what)
-            counter.add_metric([], spec[name])
-            yield counter
+        yield from _counters("meshd_prefix_cache_", prefix, (
+            ("hits", "New sessions that took over a cached prefix"),
+            ("misses", "New sessions that found no cached prefix"),
+            ("tokens_saved", "Prompt positions not computed again thanks to a cached prefix")))
+        yield from _counters("meshd_speculative_", status["node"]["scheduler"]["speculation"], (
+            ("drafted", "Tokens drafted by prompt lookup and checked in a step"),
+            ("accepted", "Drafted tokens the model's own picks matched (kept)"),
+            ("steps", "Steps that checked a session's draft")))
         sched = status["node"]["scheduler"]
         kv = GaugeMetricFamily("meshd_kv_reserved_tokens", "KV positions reserved by running sessions (prompt + max_tokens)")
         kv.add_metric([], sched["kv_reserved"])

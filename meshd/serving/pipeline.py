@@ -363,9 +363,7 @@ class Pipeline:
 
 def _rows_of(s, start: int, n: int) -> list[int]:
     """The tokens of a session's ``n`` rows from ``start``: its own, then its draft's."""
-    if not s.draft or start + n <= len(s.tokens):
-        return s.tokens[start:start + n]
-    return (s.tokens + s.draft)[start:start + n]
+    return (s.tokens[start:start + n] + s.draft)[:n]
 
 
 def _verify(pick: Callable, s, logits: torch.Tensor) -> int | list[int]:

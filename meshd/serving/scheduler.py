@@ -216,11 +216,10 @@ class Scheduler:
                 s.in_step = True
             timed = self._draft(batch)  # a lone decode row: its time teaches what a step costs
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
-            began = time.monotonic()
             try:
                 results = await self.pipeline.step(batch, _pick, times)
                 if timed:
-                    self.step_cost.ran(time.monotonic() - began, len(batch[0].draft))
+                    self.step_cost.ran(times.ended - times.began, len(batch[0].draft))
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
                 results = {}
                 for s in batch:
@@ -280,11 +279,11 @@ class Scheduler:
         costs and the session's own rate of taken drafts (none where that is too low: the
         first guessed token is still checked against what the step gives). True where the
         step is one session's decode row, whose time is then a step cost to learn from."""
+        if not self.speculate or len(batch) > SPECULATE_UP_TO:
+            return False
         plan = self.pipeline.plan
         decoding = [s for s in batch if plan is not None and s.term == plan.term
                     and s.cached == len(s.tokens) - 1 and not s.finished]
-        if not self.speculate or len(batch) > SPECULATE_UP_TO:
-            return False
         for s in decoding:
             if (look := s.lookup) is None:
                 continue
