@@ -64,6 +64,15 @@ PARAGRAPH = ("The river runs past the mill, under the stone bridge and through t
 TARGETS = {"agg16": (">=", 1.7), "ttft_long": ("<=", 0.65), "decode1": (">=", 0.95)}
 
 
+def pinned_workdir(bench: str) -> Path | None:
+    """A work directory for a bench of daemons each pinned to a core of its own; None (and
+    why, on stderr) where this box cannot pin two (no taskset, one core)."""
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        print(f"{bench} needs taskset and 2 cores", file=sys.stderr)
+        return None
+    return Path(tempfile.mkdtemp(prefix=f"meshd-{bench.replace('_', '-')}-"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -356,10 +365,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
     need_model(args.model)
-    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
-        print("bench_pipeline needs taskset and 2 cores", file=sys.stderr)
+    if (workdir := pinned_workdir("bench_pipeline")) is None:
         return 2
-    workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-pipeline-"))
     print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start, each process "
           f"pinned to its own core with taskset, 1 thread each; logs in {workdir}", flush=True)
     running: list[Running] = []

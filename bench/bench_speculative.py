@@ -23,14 +23,12 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench_pipeline import client, start_meshd, stream, wait_http
+from bench_pipeline import client, pinned_workdir, start_meshd, stream, wait_http
 from locate import OUT, add_model_flag, need_model
 
 RECORD = {"id": 4187, "name": "Ada Lovelace", "born": "1815-12-10", "city": "London", "country": "England",
@@ -93,10 +91,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
     need_model(args.model)
-    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
-        print("bench_speculative needs taskset and 2 cores", file=sys.stderr)
+    if (workdir := pinned_workdir("bench_speculative")) is None:
         return 2
-    workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-speculative-"))
     print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, each daemon pinned to its "
           f"own core, 1 thread; greedy chat streams of {args.tokens} tokens; logs in {workdir}", flush=True)
     running, rows, texts = {}, {name: [] for name in CONFIGS}, {}

@@ -26,9 +26,7 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,15 +61,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
     args = ap.parse_args()
     need_model(args.model)
-    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
-        print("bench_splits needs taskset and 2 cores", file=sys.stderr)
-        return 2
     manifest = Manifest.load(args.model)
     splits = [int(k) for k in args.splits.split(",")]
     if any(not 0 < k < manifest.n_layers for k in splits):
         print(f"each split must leave layers on both peers (1..{manifest.n_layers - 1})", file=sys.stderr)
         return 2
-    workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-splits-"))
+    if (workdir := bp.pinned_workdir("bench_splits")) is None:
+        return 2
     print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, {manifest.name} "
           f"({manifest.n_layers} layers), each daemon pinned to its own core, 1 thread; logs in {workdir}", flush=True)
     running: list[bp.Running] = []
