@@ -1,7 +1,8 @@
 """A client's inputs and resource use, as the review attacked them, against real daemons:
 
 - 1,100 idle connections (half of them stopped mid-headers) to a ``meshd run`` started
-  with the common soft limit of 1024 open files: /healthz answers within 1 s throughout,
+  with the common soft limit of 1024 open files: /healthz answers throughout (within a
+  health probe's 5 s: a daemon that ran out of files or accepts would not answer at all),
   the oldest idle connections are closed for new ones, and no traceback is logged;
 - deeply nested JSON and a 5000-digit integer: 400 with OpenAI's error shape, not 500;
 - one client cannot hold the whole KV budget: its second request waits (503) while
@@ -29,13 +30,14 @@ from tests.fixtures.api import assert_error_body
 from tests.fixtures.daemon import http_get, linked_pair, running_daemon, running_node
 
 IDLE = 1100
+PROBE_S = 5.0  # a health probe's timeout; a loaded CI box took 1.007 s once, a hang never ends
 
 
 def healthz_seconds(url: str) -> float:
     t0 = time.monotonic()
-    status, _ = http_get(url + "/healthz", timeout=1.0)
+    status, _ = http_get(url + "/healthz", timeout=PROBE_S)
     took = time.monotonic() - t0
-    assert status == 200 and took < 1.0, (status, took)
+    assert status == 200 and took < PROBE_S, (status, took)
     return took
 
 
