@@ -262,6 +262,11 @@ class Constraint:
         it never raises: a refused token (impossible under the mask) leaves the matcher stopped."""
         self.matcher.consume_token(token)
 
+    def allows(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would take in turn (its state
+        unchanged): a draft is cut there, so no row checks a token the mask would refuse."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
     def replay(self, tokens) -> None:
         """Bring the state past tokens generated before (a resumed generation)."""
         for t in tokens:

@@ -90,6 +90,8 @@ class TokenMask(Protocol):
 
     def accept(self, token: int) -> None: ...
 
+    def allows(self, tokens: Sequence[int]) -> int: ...  # how many of them it would take in turn
+
 
 class Sampler:
     """Draws are keyed by (seed, step), not by a running generator: a generation

@@ -13,6 +13,7 @@ import json
 import pytest
 import pytest_asyncio
 
+from meshd.serving import pipeline
 from tests.fixtures.api import EXTRACT, RECORD, complete
 from tests.fixtures.daemon import running_node
 
@@ -81,12 +82,14 @@ async def test_chat_and_its_usage_are_the_same_with_drafts(client, served):
     assert on["usage"] == off["usage"]
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                           "city": {"type": "string"}}, "required": ["name", "born", "city"]}
+
 
 async def test_a_json_schema_answer_is_the_same_with_drafts(client, served):
     """A grammar's matcher takes each pick in turn; the picks of a checked draft are the
     tokens kept, so a constrained answer drafts too and is unchanged."""
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
-                                               "city": {"type": "string"}}, "required": ["name", "born", "city"]}
+    schema = PERSON
     # The grammar writes JSON without spaces: so does this prompt, for the answer to repeat it.
     compact = EXTRACT.replace(json.dumps(RECORD), json.dumps(RECORD, separators=(",", ":")))
     body = {"messages": [{"role": "user", "content": compact}], "max_tokens": 40, "temperature": 0,
@@ -94,3 +97,23 @@ async def test_a_json_schema_answer_is_the_same_with_drafts(client, served):
     off, on, spec = await _both(client, served, body, "/v1/chat/completions")
     assert on["choices"][0]["message"] == off["choices"][0]["message"]
     assert spec["accepted"] > 0, spec
+
+
+async def test_a_constrained_session_drafts_only_tokens_its_grammar_allows(client, served, monkeypatch):
+    """The prompt's JSON has spaces after its colons and commas, the grammar's has none: a
+    draft taken from the prompt is cut before the first token the grammar would refuse (a
+    row checking it would be wasted), and the answer is the same as without drafts."""
+    drafts: list[tuple[int, int]] = []  # (drafted, of which the grammar allows from the first)
+    verify = pipeline._verify
+
+    def watched(pick, s, logits):
+        if s.draft and s.sampler.mask is not None:  # the grammar still as it was before this step's picks
+            drafts.append((len(s.draft), s.sampler.mask.allows(s.draft)))
+        return verify(pick, s, logits)
+
+    monkeypatch.setattr(pipeline, "_verify", watched)
+    body = {"messages": [{"role": "user", "content": EXTRACT}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    off, on, spec = await _both(client, served, body, "/v1/chat/completions")
+    assert on["choices"][0]["message"] == off["choices"][0]["message"]
+    assert drafts and all(n == allowed for n, allowed in drafts), drafts

@@ -289,6 +289,8 @@ class Scheduler:
                 continue
             # Room: the draft's rows and the token after them within max_tokens (its KV share).
             guess = look.draft(s.tokens, min(MAX_DRAFT, s.params.max_tokens - len(s.generated) - 1))
+            if guess and s.sampler is not None and (mask := s.sampler.mask) is not None:
+                guess = guess[:mask.allows(guess)]  # a grammar's session: what its mask allows
             if not guess:
                 continue
             k = len(guess) if self.draft_always else self.step_cost.best_draft(look.rate, len(guess))
