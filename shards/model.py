@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shards.errors import ModelError, ShardsError
-from shards import qlinear, quant, rowops
+from shards import qblocks, qlinear, quant, rowops
 from shards.config import ModelConfig
 from shards.families import family
 from shards.manifest import EMBED_FILE, TOKENIZER_FILE, Manifest, layer_file
@@ -465,5 +465,7 @@ def _load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool, dev
     if records:
         qlinear.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
     stage.rowops = rowops.library_for(device, dtype)
+    if stage.rowops is not None:  # the CPU's float linears row-invariant too (the quantized ones are)
+        qlinear.exact_floats(stage, qblocks.library())
     stage.eval()
     return stage, manifest

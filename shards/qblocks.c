@@ -757,3 +757,92 @@ int qb_rows(int type, const uint8_t *W, int64_t K, const int64_t *ids, int64_t T
     }
     return 0;
 }
+
+/* -- float weights, every output summed in one order ------------------------------------
+ *
+ * y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W [N, K] float32, or
+ * bf16 when w_bf16. torch's CPU GEMM sums an output in an order that depends on M (MKL
+ * blocks K differently for a decode row, a batch and a prompt's chunk): the same row gave
+ * other last bits with others beside it, so a replay, a cached prefix or a draft could
+ * continue differently. Here output (m, n) is, whatever M, the tile or the thread: 16 lane
+ * sums, lane l over k = l, l + 16, ... in order, each step one fused multiply-add (fmaf:
+ * one rounding, the same on every path; element-wise, so vectorising cannot reorder them);
+ * then the lanes in one fixed tree; then the last K % 16 terms in order; then the bias. Tiles of DM rows
+ * by DN outputs keep the sums in registers; OpenMP splits the outputs. */
+#define DL 16
+#define DM 4
+#define DN 4
+
+static inline float lanes_sum(const float *a) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline float w_at(const void *W, int w_bf16, int64_t i) {
+    if (!w_bf16) return ((const float *)W)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)W)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Outputs n0..n0+nt of rows x[0..mt) (mt <= DM, nt <= DN). Inlined with constant mt and nt
+ * for whole tiles (then unrolled into registers), with the actual ones at the edges: the
+ * same operations on each output either way. */
+static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t ldx, int mt, const void *W,
+                                                             int w_bf16, int64_t n0, int nt, int64_t K,
+                                                             const float *bias, float *y, int64_t ldy) {
+    float acc[DM][DN][DL];
+    float wt[DN][DL];
+    memset(acc, 0, sizeof(acc));
+    int64_t k16 = K - K % DL;
+    for (int64_t k = 0; k < k16; k += DL) {
+        for (int j = 0; j < nt; j++) {
+#pragma omp simd
+            for (int l = 0; l < DL; l++) wt[j][l] = w_at(W, w_bf16, (n0 + j) * K + k + l);
+        }
+        for (int i = 0; i < mt; i++) {
+            const float *xi = x + i * ldx + k;
+            for (int j = 0; j < nt; j++) {
+#pragma omp simd
+                for (int l = 0; l < DL; l++) acc[i][j][l] = fmaf(xi[l], wt[j][l], acc[i][j][l]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) {
+            float s = lanes_sum(acc[i][j]);
+            for (int64_t k = k16; k < K; k++) s = fmaf(x[i * ldx + k], w_at(W, w_bf16, (n0 + j) * K + k), s);
+            if (bias) s += bias[n0 + j];
+            y[i * ldy + n0 + j] = s;
+        }
+}
+
+int qb_dense(const float *x, int64_t ldx, int64_t M, const void *W, int w_bf16, int64_t N, int64_t K,
+             const float *bias, float *y, int64_t ldy, int threads) {
+    if (M < 0 || N < 0 || K < 0) return -1;
+    int64_t tiles = (N + DN - 1) / DN;
+    (void)threads;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n0 = t * DN;
+        int nt = N - n0 < DN ? (int)(N - n0) : DN;
+        for (int64_t m0 = 0; m0 < M; m0 += DM) {
+            int mt = M - m0 < DM ? (int)(M - m0) : DM;
+            const float *xm = x + m0 * ldx;
+            float *ym = y + m0 * ldy;
+            if (mt == DM && nt == DN) {
+                if (w_bf16) dense_tile(xm, ldx, DM, W, 1, n0, DN, K, bias, ym, ldy);
+                else dense_tile(xm, ldx, DM, W, 0, n0, DN, K, bias, ym, ldy);
+            } else if (mt == 1 && nt == DN) {  /* a decode row */
+                if (w_bf16) dense_tile(xm, ldx, 1, W, 1, n0, DN, K, bias, ym, ldy);
+                else dense_tile(xm, ldx, 1, W, 0, n0, DN, K, bias, ym, ldy);
+            } else {
+                dense_tile(xm, ldx, mt, W, w_bf16, n0, nt, K, bias, ym, ldy);
+            }
+        }
+    }
+    return 0;
+}

@@ -118,7 +118,9 @@ def _load(cc: str, cache: str) -> ctypes.CDLL | None:
     lib.qb_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.qb_rows.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr]
     lib.qb_quantize.argtypes = [ptr, i64, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr]
-    lib.qb_matmul.restype = lib.qb_rows.restype = lib.qb_simd.restype = lib.qb_quantize.restype = ctypes.c_int
+    lib.qb_dense.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    for f in (lib.qb_matmul, lib.qb_rows, lib.qb_simd, lib.qb_quantize, lib.qb_dense):
+        f.restype = ctypes.c_int
     log.info("qblocks_loaded", simd=("c", "avx2", "avx2+vnni", "avx512+vnni")[lib.qb_simd()])
     return lib
 
@@ -131,6 +133,21 @@ def matmul(lib: ctypes.CDLL, blocks: Tensor, source: str, x: Tensor, n: int, sca
     type, bound for this one call (``Bound``). ``two``: the input rounded to int8 twice
     (value, then its rounding error): see qblocks.c. ``scalar``: the plain C throughout."""
     return Bound(lib, [(0, n, source, blocks)], x.shape[1], two, scalar)(x)
+
+
+def dense(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K] float32 @ weight^T (+ bias) -> [M, N] float32, ``weight`` [N, K] float32 or
+    bf16 (contiguous), each output summed in one order whatever M (qblocks.c's qb_dense)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.qb_dense(x.data_ptr(), x.stride(0), m, weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k,
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"qb_dense(K={k}) returned {rc}")
+    return y
 
 
 class Bound:

@@ -380,6 +380,46 @@ class QuantEmbedding(nn.Module):
 
 # -- whole stages ---------------------------------------------------------------------------
 
+# False (bench only): float linears on torch's GEMM, whose sums depend on how many rows run.
+EXACT_FLOAT = True
+
+
+class RowLinear(nn.Linear):
+    """A float linear whose output for a row has the same bits whatever rows run beside it
+    (a decode row, a batch, a prompt's chunk, a replay, a draft): on a CPU with float32
+    input, qblocks.c's qb_dense; torch's elsewhere. What ``exact_floats`` makes of a stage's
+    nn.Linears; its weights and state-dict names are theirs."""
+
+    lib: ctypes.CDLL | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.lib is None or not EXACT_FLOAT or x.dtype != torch.float32 or x.device.type != "cpu":
+            return super().forward(x)
+        lead = x.shape[:-1]
+        y = qblocks.dense(self.lib, x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    @property
+    def in_dtype(self) -> torch.dtype:
+        return torch.float32
+
+
+def exact_floats(stage: nn.Module, lib: ctypes.CDLL | None) -> int:
+    """Make each float nn.Linear of a CPU stage a RowLinear (in place: parameters, ties and
+    names stay); how many. Nothing where the kernel library is not built."""
+    if lib is None:
+        return 0
+    n = 0
+    for m in stage.modules():
+        w = m.weight if type(m) is nn.Linear else None
+        if (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+                and w.is_contiguous() and (m.bias is None or m.bias.dtype == torch.float32)):
+            m.__class__ = RowLinear  # a subclass with no state of its own: the module as loaded
+            m.lib = lib
+            n += 1
+    return n
+
+
 def _swap_linears(stage: nn.Module, make) -> None:
     for i, block in stage.layers.items():
         for name, parent_child in list(block.named_modules()):

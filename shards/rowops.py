@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shards import qblocks
-from shards.qlinear import QuantLinear
+from shards.qlinear import QuantLinear, RowLinear
 
 SOURCE = qblocks.SOURCE.with_name("rowops.c")
 _BF16 = torch.bfloat16
@@ -77,11 +77,13 @@ def _check(rc: int, what: str) -> None:
 # -- what a block's forward needs, worked out once ---------------------------------------------
 
 def _in_dtype(lin: nn.Module) -> torch.dtype:
-    return lin.in_dtype if isinstance(lin, QuantLinear) else lin.weight.dtype
+    return lin.in_dtype if isinstance(lin, (QuantLinear, RowLinear)) else lin.weight.dtype
 
 
 def _runner(lin: nn.Module):  # x in the linear's input dtype -> bf16 or float32 [N, out]
-    return lin.raw if isinstance(lin, QuantLinear) else functools.partial(F.linear, weight=lin.weight, bias=lin.bias)
+    if isinstance(lin, QuantLinear):
+        return lin.raw
+    return lin if isinstance(lin, RowLinear) else functools.partial(F.linear, weight=lin.weight, bias=lin.bias)
 
 
 class _Linears:

@@ -272,14 +272,17 @@ def replay_divergences(model_dir: Path, prompts: Sequence[str], n: int, after: i
 
 
 @pytest.mark.real_model
-def test_a_real_prompts_last_row_has_the_same_bits_however_the_prompt_was_cut(real_model_dir):
-    """The default model, whole: the hidden state of a prompt's rows after all 30 layers is
-    the same bits in one chunk, cut where a cached prefix or a replay cuts it, and one row
-    at a time as decoding runs (before rows attended row by row, a chunk's rows differed
-    from the same rows decoded alone by up to 0.09 after 30 layers)."""
-    m = Manifest.load(real_model_dir)
-    engine = StageEngine.load(real_model_dir, Span(0, m.n_layers), True, True, "cpu", "auto", verify=False)
-    ids = MeshTokenizer.load(real_model_dir).encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3, True)
+@pytest.mark.parametrize("weights", ["kept quantized", "float32"])
+def test_a_real_prompts_last_row_has_the_same_bits_however_the_prompt_was_cut(weights, request):
+    """The default model, whole, as fetched (Q4_1 kept) and dequantized to float32: the
+    hidden state of a prompt's rows after all 30 layers is the same bits in one chunk, cut
+    where a cached prefix or a replay cuts it, and one row at a time as decoding runs
+    (before rows attended row by row, a chunk's rows differed from the same rows decoded
+    alone by up to 0.09 after 30 layers; float32 linears on torch's GEMM differed too)."""
+    model_dir = request.getfixturevalue("real_model_dir" if weights == "kept quantized" else "real_fp32_dir")
+    m = Manifest.load(model_dir)
+    engine = StageEngine.load(model_dir, Span(0, m.n_layers), True, True, "cpu", "auto", verify=False)
+    ids = MeshTokenizer.load(model_dir).encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3, True)
     with torch.inference_mode():
         whole = engine._forward_batch([("whole", 0, len(ids))], engine._embed(ids))
         for cuts in ([1], [len(ids) // 2], [len(ids) - 1], list(range(len(ids) - 8, len(ids)))):
