@@ -101,6 +101,10 @@ class Config:
     # "auto": drafts as long as pay on this peer's measured step costs; "always": every
     # match drafted in full (rows nearly free: a GPU; or to compare); "off".
     speculate: str = "auto"
+    # A small model with the served model's tokenizer (a name in the state dir's models, or
+    # a directory) that drafts where prompt lookup has no guess, loaded whole by the peer
+    # that is supernode; the tokens are the same with or without it.
+    draft_model: str | None = None
     log_level: str = "info"
     # Browser origins allowed to call the API (CORS), "*" for any; none by default.
     # /v1/mesh/* (control) answers only cors_mesh_origins, none by default.
@@ -152,6 +156,8 @@ class Config:
             raise ConfigError("http_idle_s: must be > 0")
         if self.speculate not in SPECULATE:
             raise ConfigError(f"speculate: one of {', '.join(SPECULATE)}")
+        if self.draft_model is not None and not self.draft_model.strip():
+            raise ConfigError("draft_model: a model name or a directory, not empty")
         if not 1 <= self.batch_concurrency <= 1024:
             raise ConfigError("batch_concurrency: must be from 1 to 1024")
         if self.batch_max_bytes < 1 << 20:

@@ -40,7 +40,7 @@ from meshd.control.mesh import MeshView
 from meshd.control import tunnel
 from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
-from meshd.control.store import ModelStore, local_model
+from meshd.control.store import ModelStore, local_model, model_path
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
 from meshd.errors import (
     KNOWN_ERRORS,
@@ -55,6 +55,7 @@ from meshd.errors import (
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
+from meshd.serving.drafter import DraftModel
 from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
@@ -169,6 +170,7 @@ class Node:
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
+        self._drafter_task: asyncio.Task | None = None  # loading --draft-model, once this peer serves
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
@@ -313,6 +315,8 @@ class Node:
             await runner.cleanup()
             await self.http.close()
             self.store.close()
+            if self.scheduler.drafter is not None:
+                self.scheduler.drafter.close()
             log.info("node_stopped")
 
     async def _step_down(self) -> None:
@@ -430,7 +434,23 @@ class Node:
             per_token = kv_bytes_per_token(manifest.config, torch.float32)
             budget = max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
         self.scheduler.kv_budget_tokens = budget
+        if self.config.draft_model and self._drafter_task is None:
+            self._drafter_task = self.spawn(self._load_drafter(manifest))
         return self.scheduler.tokenizer.template.origin or NO_CHAT
+
+    async def _load_drafter(self, target: Manifest) -> None:
+        """The draft model, loaded once this peer serves (off the loop); without it (missing,
+        another tokenizer), speculation goes on with prompt lookup alone."""
+        name = self.config.draft_model
+        assert name is not None
+        try:
+            drafter = await asyncio.to_thread(DraftModel.load, model_path(self.config, name), target,
+                                              self.config.device, self.config.dtype)
+        except (ModelError, OSError, ValueError) as exc:
+            log.warning("draft_model_unavailable", model=name, error=str(exc))
+            return
+        self.scheduler.drafter = drafter
+        log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers)
 
     def serves(self) -> bool:
         view = self.view

@@ -31,12 +31,18 @@ BY_DIGEST = ".by-digest"  # models/.by-digest/<sha256>: a model fetched under a 
 EngineKey = tuple[str, Span | None, bool, bool]  # (manifest digest, span, embed, head)
 
 
-def local_model(config: Config) -> tuple[Path | None, Manifest | None]:
-    """The configured model: a directory, or a name in the state dir; its manifest if complete."""
-    model = config.model
+def model_path(config: Config, model: str) -> Path:
+    """Where model ``model`` is: a directory as given, or a name in the state dir's models."""
     path = Path(model).expanduser()
     if not (path.is_absolute() or model.startswith(".") or "/" in model):
         path = config.state_dir / "models" / model
+    return path
+
+
+def local_model(config: Config) -> tuple[Path | None, Manifest | None]:
+    """The configured model: a directory, or a name in the state dir; its manifest if complete."""
+    model = config.model
+    path = model_path(config, model)
     if (path / MANIFEST_FILE).is_file():
         return path, Manifest.load(path)
     return path if path.is_absolute() or "/" in model else None, None

@@ -25,6 +25,7 @@ import torch
 
 from meshd.control.timing import StepTimes
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
+from meshd.serving.drafter import DraftModel
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
@@ -57,6 +58,7 @@ BATCH_KV_SHARE = 0.75
 # Speculation pays while a step's rows are few: beside a bigger batch the drafted rows cost
 # what the running streams' own rows would (their tokens come one per step anyway).
 SPECULATE_UP_TO = 4  # sessions in a step
+DRAFT_MODEL_TOKENS = 4  # a draft model's guess per step at most (each costs it a forward)
 
 
 class Priority(IntEnum):
@@ -107,6 +109,7 @@ class Session:
     # the tokens drafted for the next step, checked in it beside its decode row.
     lookup: PromptLookup | None = None
     draft: list[int] = field(default_factory=list)
+    draft_by_model: bool = False  # the draft is the draft model's (not prompt lookup's)
 
     def __post_init__(self) -> None:
         self.kv = self.kv or self.id
@@ -191,6 +194,9 @@ class Scheduler:
         self.drafted = 0  # tokens drafted, taken, and the steps that checked a draft
         self.accepted = 0
         self.draft_steps = 0
+        self.drafter: DraftModel | None = None  # --draft-model, once loaded on the supernode
+        self.model_drafted = 0  # of ``drafted`` and ``accepted``, the draft model's
+        self.model_accepted = 0
         self._background: set[asyncio.Task] = set()
         pipeline.on_plan = self._plan_changed
 
@@ -215,6 +221,8 @@ class Scheduler:
             for s in batch:
                 s.in_step = True
             timed = self._draft(batch)  # a lone decode row: its time teaches what a step costs
+            if self.drafter is not None:
+                await self._draft_by_model(batch)
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
             try:
                 results = await self.pipeline.step(batch, _pick, times)
@@ -245,7 +253,7 @@ class Scheduler:
                 got = results.get(s.id)
                 if s.trace is not None:
                     s.trace.stepped(times, got is not None)
-                drafted, s.draft = s.draft, []
+                drafted, by_model, s.draft, s.draft_by_model = s.draft, s.draft_by_model, [], False
                 guess = s.lookup.guess if s.lookup is not None else None
                 if guess is not None:
                     s.lookup.guess = None
@@ -256,7 +264,7 @@ class Scheduler:
                     continue
                 tokens = got if isinstance(got, list) else [got]
                 if drafted and isinstance(got, list):
-                    self._taken(s, len(drafted), len(got) - 1)
+                    self._taken(s, len(drafted), len(got) - 1, by_model)
                 elif guess is not None:
                     s.lookup.held_back(guess, tokens[0])
                 for token in tokens:  # one, or a checked draft's: each as a step of its own would give it
@@ -300,15 +308,50 @@ class Scheduler:
                 look.guess = guess[0]
         return len(batch) == 1 and len(decoding) == 1
 
-    def _taken(self, s: Session, drafted: int, accepted: int) -> None:
+    async def _draft_by_model(self, batch: list[Session]) -> None:
+        """Drafts of the draft model for the step's decoding sessions that prompt lookup left
+        without one (in a step small enough for drafts), as long as pays (or in full with
+        ``always``), cut to what a grammar allows. A draft model that fails is put aside:
+        the step runs without its drafts, and later ones with lookup's alone."""
+        drafter = self.drafter
+        if drafter is None or len(batch) > SPECULATE_UP_TO:
+            return
+        plan = self.pipeline.plan
+        for s in batch:
+            look = s.lookup
+            if (look is None or s.draft or plan is None or s.term != plan.term or s.finished
+                    or s.cached != len(s.tokens) - 1):
+                continue
+            room = min(DRAFT_MODEL_TOKENS, s.params.max_tokens - len(s.generated) - 1)
+            k = room if self.draft_always else self.step_cost.best_draft(look.rate, room)
+            if k <= 0:
+                continue
+            try:
+                guess = await drafter.draft(s.id, s.tokens, k)
+            except Exception as exc:  # e.g. a token id past its vocabulary, its engine closed
+                log.warning("draft_model_failed", model=drafter.name, error=str(exc))
+                self.drafter = None
+                drafter.close()
+                return
+            if guess and s.sampler is not None and (mask := s.sampler.mask) is not None:
+                guess = guess[:mask.allows(guess)]
+            if guess:
+                s.draft, s.draft_by_model = guess, True
+
+    def _taken(self, s: Session, drafted: int, accepted: int, by_model: bool) -> None:
         s.lookup.taken(drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self.draft_steps += 1
+        if by_model:
+            self.model_drafted += drafted
+            self.model_accepted += accepted
 
     def speculation(self) -> dict:
         """Drafted and taken tokens, and tokens per step that checked a draft (for /status and /metrics)."""
         return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.draft_steps,
+                "draft_model": self.drafter.name if self.drafter is not None else None,
+                "model_drafted": self.model_drafted, "model_accepted": self.model_accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
                 "tokens_per_step": round((self.accepted + self.draft_steps) / self.draft_steps, 3)
                 if self.draft_steps else None}
@@ -424,6 +467,8 @@ class Scheduler:
         if session.released or session.in_step:
             return
         session.released = True
+        if self.drafter is not None:
+            self.drafter.forget(session.id)
         plan = self.pipeline.plan
         if plan is not None and session.term == plan.term and session.cached > 0 and self.prefix.enabled:
             drop = self.prefix.stale(plan.term)

@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                      help="speculative decoding: drafts from the session's own tokens, checked in the step "
                           "it runs anyway, the same tokens either way; auto (default): as many as pay on "
                           "this peer's measured step costs, always: every match in full, off")
+    run.add_argument("--draft-model", metavar="NAME|DIR",
+                     help="a small model with the served model's tokenizer that drafts tokens where lookup has "
+                          "none (speculative decoding; loaded whole by the supernode; the same tokens either way)")
     run.add_argument("--heartbeat-s", type=float)
     run.add_argument("--missed-beats", type=int)
     run.add_argument("--batch-concurrency", type=int, help="batch-job lines this peer keeps in flight (default 32)")

@@ -1,0 +1,85 @@
+"""A draft model for speculative decoding (``--draft-model``): a small model with the
+target's tokenizer, whole on the supernode, that guesses a session's next tokens greedily
+where prompt lookup has no guess (free text). The pipeline checks the guess exactly as it
+checks a lookup draft (one row per drafted token in the step it runs anyway; the model's
+own picks are kept), so the answer is the same tokens with or without it; only the speed
+differs. As vLLM's and transformers' assisted generation, across the mesh's stages.
+
+The draft model keeps a KV cache per session in its own engine (its own worker thread):
+each call feeds only the tokens the session gained since the last one (those taken from the
+last draft, and the model's own token after them), cutting its cache back to where the
+guess and the session parted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from shards.engine import StageEngine
+from shards.errors import ModelError
+from shards.manifest import TOKENIZER_FILE, Manifest
+from shards.span import Span
+
+log = structlog.get_logger()
+
+MAX_SESSIONS = 256  # draft caches kept; the least recently drafted goes first beyond this
+
+
+class DraftModel:
+    def __init__(self, engine: StageEngine):
+        self.engine = engine
+        self.name = engine.manifest.name
+        self.context = engine.manifest.config.max_position
+        self._known: dict[str, list[int]] = {}  # session -> the tokens its draft cache holds, in use order
+
+    @classmethod
+    def load(cls, model_dir: Path, target: Manifest, device: str = "auto", dtype: str = "auto") -> DraftModel:
+        """The draft model in ``model_dir``, whole, refused unless its tokenizer is the
+        target's (the same file) and its vocabulary no larger (a token id of one means
+        the same text in the other)."""
+        manifest = Manifest.load(model_dir)
+        mine, theirs = manifest.files.get(TOKENIZER_FILE), target.files.get(TOKENIZER_FILE)
+        if mine is None or theirs is None or mine.sha256 != theirs.sha256:
+            raise ModelError(f"draft model {manifest.name!r} does not have the tokenizer of {target.name!r}")
+        if manifest.config.vocab_size > target.config.vocab_size:
+            raise ModelError(f"draft model {manifest.name!r} has a larger vocabulary than {target.name!r}")
+        engine = StageEngine.load(model_dir, Span(0, manifest.n_layers), True, True, device, dtype)
+        return cls(engine)
+
+    async def draft(self, session: str, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens the draft model picks greedily after ``tokens`` (none where they
+        would pass its context)."""
+        if k <= 0 or not tokens or len(tokens) + k > self.context:
+            return []
+        return await self.engine.run(lambda: self._greedy(session, tokens, k))
+
+    def _greedy(self, session: str, tokens: list[int], k: int) -> list[int]:  # on the engine's thread
+        known = self._known.pop(session, [])
+        same = 0
+        for a, b in zip(known, tokens):
+            if a != b:
+                break
+            same += 1
+        start = min(same, len(tokens) - 1, self.engine.cached_length(session))  # the last row gives the first guess
+        e = self.engine
+        x = e._forward_batch([(session, start, len(tokens) - start)], e._embed(tokens[start:]))
+        out = [int(e._head(x[-1:])[0].argmax())]
+        while len(out) < k:
+            x = e._forward_batch([(session, len(tokens) + len(out) - 1, 1)], e._embed(out[-1:]))
+            out.append(int(e._head(x)[0].argmax()))
+        self._known[session] = tokens + out[:-1]  # what its cache holds now
+        while len(self._known) > MAX_SESSIONS:
+            oldest = next(iter(self._known))
+            del self._known[oldest]
+            e.drop(oldest)
+        return out
+
+    def forget(self, session: str) -> None:
+        """The session ended: its draft cache goes."""
+        self._known.pop(session, None)
+        self.engine.drop(session)
+
+    def close(self) -> None:
+        self.engine.close()

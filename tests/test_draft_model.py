@@ -1,0 +1,91 @@
+"""Speculative decoding with a draft model (``--draft-model``): a second tiny random model
+sharing the tiny target's tokenizer drafts where prompt lookup has no guess; through a real
+in-process node, greedy and seeded answers (logprobs too) are the same tokens as with no
+drafts, and the draft model's drafts were checked. The target as its own draft model has
+every drafted token taken: its draft cache follows each session exactly (a draft cache off
+by one position would guess wrong), and a row's bits do not depend on the engine or the
+step it runs in. A draft model with another tokenizer is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from meshd.serving.drafter import DraftModel
+from shards.convert import convert
+from shards.errors import ModelError
+from shards.manifest import Manifest
+from shards.tiny import write_tiny_hf_model
+from tests.fixtures.api import complete
+from tests.fixtures.daemon import running_node
+
+# Free text: words that do not repeat, so prompt lookup has nothing and every draft is the model's.
+PROMPTS = ["the quick brown fox", "a small village by the sea", "once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """Two layers of other random weights, the tiny target's tokenizer."""
+    hf = write_tiny_hf_model(tmp_path_factory.mktemp("draft-hf") / "tiny-draft", seed=7, n_layers=2)
+    return convert(hf, tmp_path_factory.mktemp("draft") / "tiny-draft", progress=False)
+
+
+async def _drafting(served) -> DraftModel:
+    for _ in range(200):
+        if served.node.scheduler.drafter is not None:
+            return served.node.scheduler.drafter
+        await asyncio.sleep(0.05)
+    raise AssertionError("the draft model was not loaded in 10 s")
+
+
+async def _off_then_on(client, served, body: dict) -> tuple[dict, dict, dict]:
+    scheduler = served.node.scheduler
+    scheduler.speculate = False
+    try:
+        off = await complete(client, served.url, body)
+    finally:
+        scheduler.speculate = True
+    before = scheduler.speculation()
+    on = await complete(client, served.url, body)
+    after = scheduler.speculation()
+    return off, on, {k: after[k] - before[k] for k in ("drafted", "accepted", "steps", "model_drafted",
+                                                         "model_accepted")}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_answers_are_the_same_with_a_draft_models_drafts_and_they_are_checked(client, tiny_model_dir, draft_dir,
+                                                                                      tmp_path):
+    async with running_node(tiny_model_dir, tmp_path / "state", speculate="always",
+                            draft_model=str(draft_dir)) as served:
+        drafter = await _drafting(served)
+        assert drafter.name == "tiny-draft"
+        for prompt in PROMPTS:
+            for body in ({"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                         {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 5, "logprobs": 2}):
+                off, on, spec = await _off_then_on(client, served, body)
+                assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"], (prompt, body)
+                assert on["choices"][0]["logprobs"] == off["choices"][0]["logprobs"]
+                assert spec["model_drafted"] > 0, spec
+        status = served.node.scheduler.speculation()
+        assert status["draft_model"] == "tiny-draft" and status["model_drafted"] > 0
+    assert not served.node.scheduler.drafter.engine._pool._thread.is_alive()  # closed with the node
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_target_as_its_own_draft_model_has_every_draft_taken(client, tiny_model_dir, tmp_path):
+    async with running_node(tiny_model_dir, tmp_path / "state", speculate="always",
+                            draft_model=str(tiny_model_dir)) as served:
+        await _drafting(served)
+        for prompt in PROMPTS:
+            off, on, spec = await _off_then_on(client, served, {"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            assert on["choices"][0]["token_ids"] == off["choices"][0]["token_ids"]
+            assert spec["model_drafted"] > 0 and spec["model_accepted"] == spec["model_drafted"], spec
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    other = convert(write_tiny_hf_model(tmp_path / "other-hf", vocab=200, n_layers=1), tmp_path / "other",
+                    progress=False)
+    with pytest.raises(ModelError, match="tokenizer"):
+        DraftModel.load(other, Manifest.load(tiny_model_dir))
