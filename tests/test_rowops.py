@@ -173,18 +173,23 @@ def test_float_weights_on_torchs_gemm_are_not_row_invariant_which_is_why_they_ru
 
 
 def test_the_float_kernel_gives_a_rows_bits_whatever_rows_run_with_it_and_agrees_with_float64():
+    """A row alone (a decode row), in decode batches and prefill chunks of 2 to 64 rows, and
+    read from rows further apart: the same bits; float32 and bf16 weights; K a multiple of
+    the 16 lanes, and not."""
     lib = qblocks.library()
     gen = torch.Generator().manual_seed(7)
-    for k, n in ((64, 48), (576, 200), (100, 37)):  # K past, at and short of the 16 lanes' multiple
-        w, x, b = torch.randn(n, k, generator=gen), torch.randn(13, k, generator=gen), torch.randn(n, generator=gen)
+    for k, n in ((64, 48), (576, 203), (100, 37)):
+        w, x, b = torch.randn(n, k, generator=gen), torch.randn(64, k, generator=gen), torch.randn(n, generator=gen)
         for weight in (w, w.bfloat16()):
             y = qblocks.dense(lib, x, weight, b)
             want = torch.nn.functional.linear(x.double(), weight.double(), b.double())
             assert (y.double() - want).abs().max() < 1e-4 * k ** 0.5
-            for m in range(13):
+            for m in (0, 5, 62, 63):
                 assert torch.equal(qblocks.dense(lib, x[m:m + 1], weight, b), y[m:m + 1])
-            assert torch.equal(qblocks.dense(lib, x[:6], weight, b), y[:6])
-            wide = torch.zeros(13, k + 5)
+            for rows in (2, 3, 4, 6, 17, 33):
+                assert torch.equal(qblocks.dense(lib, x[:rows], weight, b), y[:rows])
+                assert torch.equal(qblocks.dense(lib, x[-rows:], weight, b), y[-rows:])
+            wide = torch.zeros(64, k + 5)
             wide[:, 2:k + 2] = x
             assert torch.equal(qblocks.dense(lib, wide[:, 2:k + 2], weight, b), y)  # rows k + 5 apart
 

@@ -115,7 +115,9 @@ def test_a_long_generation_costs_a_session_no_memory_per_step():
 def test_a_refused_request_is_all_admission():
     t = Trace("r3", TraceContext(TRACE_ID, SPAN), "/v1/completions", "a")
     t.end(400)
-    assert [(p["kind"], p["ms"] > 0) for p in t.to_json()["phases"]] == [("admit", True)]
+    phases = t.to_json()["phases"]
+    assert [p["kind"] for p in phases] == ["admit"]  # (its ms rounds to 0.0 on a fast box: not asserted)
+    assert phases[0]["ms"] == pytest.approx(t.wall_s * 1000, abs=1e-3)
 
 
 @pytest.mark.parametrize("header, kept", [
