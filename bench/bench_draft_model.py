@@ -10,6 +10,8 @@ round):
 - ``off``: ``--speculate off``
 - ``lookup``: the default (prompt lookup, as many as pay)
 - ``draft``: ``--speculate always --draft-model`` (every step drafts 4 tokens)
+- ``draft-auto``: ``--draft-model`` with the default speculation (as many as pay on the
+  measured step costs, each drafted token also costing the draft model's forward)
 
 Prints the median decode tok/s of each, the ratios against ``off``, the draft model's
 drafted/taken counts, and checks that each configuration's text equals ``off``'s.
@@ -58,7 +60,8 @@ def main() -> int:
     if (workdir := pinned_workdir("bench_draft_model")) is None:
         return 2
     configs = {"off": ("--speculate", "off"), "lookup": (),
-               "draft": ("--speculate", "always", "--draft-model", str(args.draft_model))}
+               "draft": ("--speculate", "always", "--draft-model", str(args.draft_model)),
+               "draft-auto": ("--draft-model", str(args.draft_model))}
     print(f"conditions: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, one daemon pinned to core 0, "
           f"1 thread; greedy free-text chat streams of {args.tokens} tokens; target {args.model.name}, draft "
           f"{args.draft_model.name}; logs in {workdir}", flush=True)
@@ -67,10 +70,10 @@ def main() -> int:
         for name, extra in configs.items():
             print(f"== starting {name}", flush=True)
             running[name] = start_meshd(1, args, workdir, name=f"meshd-{name}", extra=extra)
-        if "draft" in running:  # loaded once the peer serves: wait for it
-            wait_http(running["draft"].url + "/status",
+        for name in ("draft", "draft-auto"):  # loaded once the peer serves: wait for it
+            wait_http(running[name].url + "/status",
                       lambda v: v["node"]["scheduler"]["speculation"]["draft_model"] is not None, 120,
-                      running["draft"].procs, "draft model")
+                      running[name].procs, "draft model")
         for round_no in range(args.rounds):
             for name in list(configs) if round_no % 2 == 0 else list(configs)[::-1]:
                 t0 = time.monotonic()

@@ -48,3 +48,6 @@ def test_a_draft_is_as_long_as_pays_on_the_measured_step_costs():
     gpu.plain = cost.plain
     gpu.ran(0.0075 + 8 * 0.0001, 8)  # each drafted row nearly free: a GPU
     assert gpu.best_draft(0.3, 8) >= 1 and gpu.best_draft(0.8, 8) == MAX_DRAFT
+    # A draft model's guesses cost its forwards: at 2 ms a token, drafts still pay on the GPU
+    # where they are taken often, at 10 ms not even there.
+    assert 1 <= gpu.best_draft(0.9, 4, guess=0.002) <= 4 and gpu.best_draft(0.9, 4, guess=0.010) == 0

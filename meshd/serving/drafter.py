@@ -13,10 +13,12 @@ guess and the session parted.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import structlog
 
+from meshd.serving.lookup import DECAY, EMA
 from shards.engine import StageEngine
 from shards.errors import ModelError
 from shards.manifest import TOKENIZER_FILE, Manifest
@@ -33,6 +35,11 @@ class DraftModel:
         self.name = engine.manifest.name
         self.context = engine.manifest.config.max_position
         self._known: dict[str, list[int]] = {}  # session -> the tokens its draft cache holds, in use order
+        self.token_s = 0.0  # seconds a row fed to it costs here (a moving average; 0 before the first)
+        # How often its drafted tokens are taken (decayed counts over every session: how well
+        # it guesses is the pair of models' more than a session's); hopeful at first, so that
+        # it is tried and learned.
+        self.taken_n, self.missed_n = 3.0, 1.0
 
     @classmethod
     def load(cls, model_dir: Path, target: Manifest, device: str = "auto", dtype: str = "auto") -> DraftModel:
@@ -53,9 +60,23 @@ class DraftModel:
         would pass its context)."""
         if k <= 0 or not tokens or len(tokens) + k > self.context:
             return []
-        return await self.engine.run(lambda: self._greedy(session, tokens, k))
+        t0 = time.perf_counter()
+        out, fed = await self.engine.run(lambda: self._greedy(session, tokens, k))
+        took = (time.perf_counter() - t0) / fed  # per row: a session's first draft feeds its whole prompt
+        self.token_s = took if not self.token_s else (1 - EMA) * self.token_s + EMA * took
+        return out
 
-    def _greedy(self, session: str, tokens: list[int], k: int) -> list[int]:  # on the engine's thread
+    @property
+    def rate(self) -> float:
+        return self.taken_n / (self.taken_n + self.missed_n)
+
+    def taken(self, drafted: int, accepted: int) -> None:
+        """How a draft went: ``accepted`` of its ``drafted`` tokens taken (as PromptLookup's)."""
+        self.taken_n = self.taken_n * DECAY + accepted
+        self.missed_n = self.missed_n * DECAY + (accepted < drafted)
+
+    def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int]:  # on the engine's thread
+        """The draft, and how many rows it fed the model."""
         known = self._known.pop(session, [])
         same = 0
         for a, b in zip(known, tokens):
@@ -74,7 +95,7 @@ class DraftModel:
             oldest = next(iter(self._known))
             del self._known[oldest]
             e.drop(oldest)
-        return out
+        return out, len(tokens) - start + k - 1
 
     def forget(self, session: str) -> None:
         """The session ended: its draft cache goes."""

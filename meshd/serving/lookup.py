@@ -96,14 +96,15 @@ class StepCost:
             extra = max(0.0, (seconds - self.plain) / drafted)
             self.row = extra if self.row is None else (1 - EMA) * self.row + EMA * extra
 
-    def best_draft(self, rate: float, most: int) -> int:
+    def best_draft(self, rate: float, most: int, guess: float = 0.0) -> int:
         """The draft length (0..most) that makes the most tokens per second at ``rate``:
-        k drafts give 1 + rate + ... + rate^k tokens for plain + k * row seconds. Before a
-        plain step was timed, none; before a drafted one, a row is taken to cost a quarter
-        of a plain step (it is learned at the first drafted step)."""
+        k drafts give 1 + rate + ... + rate^k tokens for plain + k * (row + guess) seconds
+        (``guess``: what making one drafted token costs, a draft model's forward; lookup's
+        is free). Before a plain step was timed, none; before a drafted one, a row is taken
+        to cost a quarter of a plain step (it is learned at the first drafted step)."""
         if self.plain is None or most <= 0:
             return 0
-        row = self.row if self.row is not None else self.plain / 4
+        row = (self.row if self.row is not None else self.plain / 4) + guess
         best, best_rate, tokens = 0, 1.0 / self.plain, 1.0
         for k in range(1, min(most, MAX_DRAFT) + 1):
             tokens += rate ** k

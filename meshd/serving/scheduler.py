@@ -323,7 +323,7 @@ class Scheduler:
                     or s.cached != len(s.tokens) - 1):
                 continue
             room = min(DRAFT_MODEL_TOKENS, s.params.max_tokens - len(s.generated) - 1)
-            k = room if self.draft_always else self.step_cost.best_draft(look.rate, room)
+            k = room if self.draft_always else self.step_cost.best_draft(drafter.rate, room, drafter.token_s)
             if k <= 0:
                 continue
             try:
@@ -339,7 +339,10 @@ class Scheduler:
                 s.draft, s.draft_by_model = guess, True
 
     def _taken(self, s: Session, drafted: int, accepted: int, by_model: bool) -> None:
-        s.lookup.taken(drafted, accepted)
+        if not by_model:
+            s.lookup.taken(drafted, accepted)
+        elif self.drafter is not None:
+            self.drafter.taken(drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self.draft_steps += 1
