@@ -70,6 +70,10 @@ async def test_answers_are_the_same_with_a_draft_models_drafts_and_they_are_chec
                 assert spec["model_drafted"] > 0, spec
         status = served.node.scheduler.speculation()
         assert status["draft_model"] == "tiny-draft" and status["model_drafted"] > 0
+        async with client.get(served.url + "/metrics") as r:
+            metrics = await r.text()
+        counted = [line for line in metrics.splitlines() if line.startswith("meshd_speculative_model_drafted_total ")]
+        assert counted and float(counted[0].split()[1]) == status["model_drafted"], counted
     assert not served.node.scheduler.drafter.engine._pool._thread.is_alive()  # closed with the node
 
 

@@ -245,9 +245,11 @@ class _StateCollector:
             ("misses", "New sessions that found no cached prefix"),
             ("tokens_saved", "Prompt positions not computed again thanks to a cached prefix")))
         yield from _counters("meshd_speculative_", status["node"]["scheduler"]["speculation"], (
-            ("drafted", "Tokens drafted by prompt lookup and checked in a step"),
+            ("drafted", "Tokens drafted (by prompt lookup or the draft model) and checked in a step"),
             ("accepted", "Drafted tokens the model's own picks matched (kept)"),
-            ("steps", "Steps that checked a session's draft")))
+            ("steps", "Steps that checked a session's draft"),
+            ("model_drafted", "Of the drafted tokens, the draft model's"),
+            ("model_accepted", "Of the kept drafted tokens, the draft model's")))
         sched = status["node"]["scheduler"]
         kv = GaugeMetricFamily("meshd_kv_reserved_tokens", "KV positions reserved by running sessions (prompt + max_tokens)")
         kv.add_metric([], sched["kv_reserved"])

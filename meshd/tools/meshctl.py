@@ -110,10 +110,12 @@ def format_status(status: dict, details: dict[str, dict] | None = None) -> str:
         ])
     plan = " ".join(f"{a['node']}[{a['start']}:{a['stop']})" for a in status.get("plan", [])) or "none"
     spec = ((details.get(status.get("supernode") or "") or {}).get("scheduler") or {}).get("speculation")
-    if spec:  # the supernode's drafts (prompt lookup), where meshctl could read them
+    if spec:  # the supernode's drafts (prompt lookup, a draft model), where meshctl could read them
         plan += (f"\nspeculation {spec['drafted']} drafted, {spec['accepted']} taken"
                  + (f" ({spec['acceptance']:.0%}), {spec['tokens_per_step']:.2f} tokens per checked step"
-                    if spec.get("steps") else ""))
+                    if spec.get("steps") else "")
+                 + (f"; draft model {spec['draft_model']}: {spec.get('model_drafted', 0)} drafted, "
+                    f"{spec.get('model_accepted', 0)} taken" if spec.get("draft_model") else ""))
     terms = "\n".join(f"  term {t['term']}: {t.get('reason') or '-'}" for t in status.get("terms", [])[-5:])
     return f"{head}\nplan {plan}\n\n{render_table(rows)}" + (f"\n\nterms\n{terms}" if terms else "")
 
