@@ -170,7 +170,7 @@ class Node:
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
-        self._drafter_task: asyncio.Task | None = None  # loading --draft-model, once this peer serves
+        self._drafter_for: str | None = None  # the manifest digest --draft-model was last loaded against
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
@@ -434,13 +434,16 @@ class Node:
             per_token = kv_bytes_per_token(manifest.config, torch.float32)
             budget = max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
         self.scheduler.kv_budget_tokens = budget
-        if self.config.draft_model and self._drafter_task is None:
-            self._drafter_task = self.spawn(self._load_drafter(manifest))
+        if self.config.draft_model and self._drafter_for != (digest := manifest.digest):
+            self._drafter_for = digest  # (another served model than the draft model was checked against)
+            self.scheduler.drop_drafter()
+            self.spawn(self._load_drafter(manifest, digest))
         return self.scheduler.tokenizer.template.origin or NO_CHAT
 
-    async def _load_drafter(self, target: Manifest) -> None:
-        """The draft model, loaded once this peer serves (off the loop); without it (missing,
-        another tokenizer), speculation goes on with prompt lookup alone."""
+    async def _load_drafter(self, target: Manifest, digest: str) -> None:
+        """The draft model, loaded once this peer serves a model (off the loop), checked
+        against it; without it (missing, another tokenizer), speculation goes on with prompt
+        lookup alone."""
         name = self.config.draft_model
         assert name is not None
         try:
@@ -448,6 +451,9 @@ class Node:
                                               self.config.device, self.config.dtype)
         except (ModelError, OSError, ValueError) as exc:
             log.warning("draft_model_unavailable", model=name, error=str(exc))
+            return
+        if self._drafter_for != digest:  # the served model changed while it loaded
+            await asyncio.to_thread(drafter.close)
             return
         self.scheduler.drafter = drafter
         log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers)

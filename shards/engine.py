@@ -255,12 +255,14 @@ class StageEngine:
 
     @classmethod
     def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
-             device: str = "auto", dtype: str | torch.dtype = "auto", verify: bool = True) -> StageEngine:
+             device: str = "auto", dtype: str | torch.dtype = "auto", verify: bool = True,
+             threads: int | None = None) -> StageEngine:
+        """``threads``: its worker's torch threads (default: the engines' count)."""
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         t0 = time.perf_counter()
         # Loaded (packed, probed) on the engine's own worker, the one thread that runs it after.
-        worker = _Worker(engine_threads())
+        worker = _Worker(threads or engine_threads())
         try:
             stage, manifest = worker.submit(lambda: load_stage(model_dir, span, embed, head, dev, dt,
                                                                verify=verify)).result()

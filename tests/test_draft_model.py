@@ -93,3 +93,20 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
                     progress=False)
     with pytest.raises(ModelError, match="tokenizer"):
         DraftModel.load(other, Manifest.load(tiny_model_dir))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_draft_follows_its_session_as_a_fresh_one_would_and_skips_ids_it_does_not_know(tiny_model_dir,
+                                                                                               draft_dir):
+    """The draft cache fed only what a session gained (a drafted token taken, then another)
+    guesses what a fresh session fed everything guesses; a token id past the draft model's
+    vocabulary (a larger target's padding, a client's id) gets no draft, not an error."""
+    drafter = DraftModel.load(draft_dir, Manifest.load(tiny_model_dir))
+    try:
+        assert await drafter.draft("s", [5, 6, drafter.vocab], 3) == []
+        first = await drafter.draft("s", [5, 6, 7], 3)
+        assert len(first) == 3 and all(0 <= t < drafter.vocab for t in first)
+        for grown in ([5, 6, 7, first[0], 9], [5, 6, 7, first[0], first[1], first[2], 11], [5, 6, 12]):
+            assert await drafter.draft("s", grown, 3) == await drafter.draft(f"fresh{len(grown)}{grown[-1]}", grown, 3)
+    finally:
+        drafter.close()

@@ -13,6 +13,7 @@ guess and the session parted.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -30,11 +31,14 @@ MAX_SESSIONS = 256  # draft caches kept; the least recently drafted goes first b
 
 
 class DraftModel:
-    def __init__(self, engine: StageEngine):
+    def __init__(self, engine: StageEngine, target: Manifest):
         self.engine = engine
         self.name = engine.manifest.name
+        self.target = target  # the served model it was checked against
         self.context = engine.manifest.config.max_position
+        self.vocab = engine.manifest.config.vocab_size
         self._known: dict[str, list[int]] = {}  # session -> the tokens its draft cache holds, in use order
+        self._lock = threading.Lock()  # _known: drafts on the engine's thread, forget on the loop's
         self.token_s = 0.0  # seconds a row fed to it costs here (a moving average; 0 before the first)
         # How often its drafted tokens are taken (decayed counts over every session: how well
         # it guesses is the pair of models' more than a session's); hopeful at first, so that
@@ -52,14 +56,16 @@ class DraftModel:
             raise ModelError(f"draft model {manifest.name!r} does not have the tokenizer of {target.name!r}")
         if manifest.config.vocab_size > target.config.vocab_size:
             raise ModelError(f"draft model {manifest.name!r} has a larger vocabulary than {target.name!r}")
-        engine = StageEngine.load(model_dir, Span(0, manifest.n_layers), True, True, device, dtype)
-        return cls(engine)
+        # One thread: a second worker running torch's parallel regions on several threads
+        # would make libgomp stop spinning for the stage's own (shards/engine.py use_threads).
+        engine = StageEngine.load(model_dir, Span(0, manifest.n_layers), True, True, device, dtype, threads=1)
+        return cls(engine, target)
 
     async def draft(self, session: str, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens the draft model picks greedily after ``tokens`` (none where they
         would pass its context)."""
-        if k <= 0 or not tokens or len(tokens) + k > self.context:
-            return []
+        if k <= 0 or not tokens or len(tokens) + k > self.context or max(tokens) >= self.vocab:
+            return []  # (a target's id past a smaller draft vocabulary: its padding, or a client's)
         t0 = time.perf_counter()
         out, fed = await self.engine.run(lambda: self._greedy(session, tokens, k))
         took = (time.perf_counter() - t0) / fed  # per row: a session's first draft feeds its whole prompt
@@ -77,7 +83,8 @@ class DraftModel:
 
     def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int]:  # on the engine's thread
         """The draft, and how many rows it fed the model."""
-        known = self._known.pop(session, [])
+        with self._lock:
+            known = self._known.pop(session, [])
         same = 0
         for a, b in zip(known, tokens):
             if a != b:
@@ -90,16 +97,19 @@ class DraftModel:
         while len(out) < k:
             x = e._forward_batch([(session, len(tokens) + len(out) - 1, 1)], e._embed(out[-1:]))
             out.append(int(e._head(x)[0].argmax()))
-        self._known[session] = tokens + out[:-1]  # what its cache holds now
-        while len(self._known) > MAX_SESSIONS:
-            oldest = next(iter(self._known))
-            del self._known[oldest]
+        with self._lock:
+            self._known[session] = tokens + out[:-1]  # what its cache holds now
+            evicted = list(self._known)[:max(0, len(self._known) - MAX_SESSIONS)]
+            for oldest in evicted:
+                del self._known[oldest]
+        for oldest in evicted:
             e.drop(oldest)
         return out, len(tokens) - start + k - 1
 
     def forget(self, session: str) -> None:
         """The session ended: its draft cache goes."""
-        self._known.pop(session, None)
+        with self._lock:
+            self._known.pop(session, None)
         self.engine.drop(session)
 
     def close(self) -> None:

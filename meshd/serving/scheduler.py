@@ -221,7 +221,7 @@ class Scheduler:
             for s in batch:
                 s.in_step = True
             timed = self._draft(batch)  # a lone decode row: its time teaches what a step costs
-            if self.drafter is not None:
+            if self.drafter is not None and not lane.first_tokens:  # (a first token waits for no draft)
                 await self._draft_by_model(batch)
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
             try:
@@ -328,15 +328,22 @@ class Scheduler:
                 continue
             try:
                 guess = await drafter.draft(s.id, s.tokens, k)
-            except Exception as exc:  # e.g. a token id past its vocabulary, its engine closed
+            except Exception as exc:  # its engine closed, or what no check foresaw: lookup goes on alone
                 log.warning("draft_model_failed", model=drafter.name, error=str(exc))
-                self.drafter = None
-                drafter.close()
+                self.drop_drafter()
                 return
             if guess and s.sampler is not None and (mask := s.sampler.mask) is not None:
                 guess = guess[:mask.allows(guess)]
             if guess:
                 s.draft, s.draft_by_model = guess, True
+
+    def drop_drafter(self) -> None:
+        """Put the draft model aside; its worker ends off the loop (it may be mid-draft)."""
+        drafter, self.drafter = self.drafter, None
+        if drafter is not None:
+            task = asyncio.get_running_loop().create_task(asyncio.to_thread(drafter.close))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _taken(self, s: Session, drafted: int, accepted: int, by_model: bool) -> None:
         if not by_model:
