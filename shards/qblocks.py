@@ -142,6 +142,10 @@ def dense(lib: ctypes.CDLL, x: Tensor, weight: Tensor, bias: Tensor | None) -> T
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
+    if (x.dtype != torch.float32 or weight.shape[1] != k or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))):
+        raise ModelError(f"the float kernel takes float32 [M, {weight.shape[1]}] and a contiguous weight, "
+                         f"not {x.dtype} {list(x.shape)}")
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.qb_dense(x.data_ptr(), x.stride(0), m, weight.data_ptr(), int(weight.dtype == torch.bfloat16), n, k,
                       None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
