@@ -9,7 +9,10 @@ order reversed every other round: this shared box's speed drifts over minutes):
 - ``2-off`` / ``2-on``: two daemons, the supernode on core 0, the second peer on core 1
 
 Each request is a greedy stream of ``--tokens`` tokens; decode tok/s runs from its first
-token to its last. Prints the medians, the ratios against the issue's targets (extraction
+token to its last. Where llama.cpp is built (``../shared/tools/llama-cpp``), the same prompts
+(the chat template's text) on the same GGUF through its ``llama-lookup`` (prompt lookup,
+``--spec-draft-n-max 8``) and with 0 (no drafts), pinned to core 0 with one thread:
+its "decoded" speed, which also leaves the prompt out. Prints the medians, the ratios against the issue's targets (extraction
 with drafts >= 1.8x without; 2 peers >= 1.0x one peer on extraction with drafts; free text
 >= 0.95x: drafts step aside where they do not pay), and each speculating supernode's
 drafted/accepted counters. Checks that each configuration's text equals ``1-off``'s.
@@ -23,13 +26,15 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench_pipeline import client, pinned_workdir, start_meshd, stream, wait_http
-from locate import OUT, add_model_flag, need_model
+from locate import OUT, SMOLLM2_GGUF, add_llama_cpp_flags, add_model_flag, gguf_file, llama_cpp, need_model
 
 RECORD = {"id": 4187, "name": "Ada Lovelace", "born": "1815-12-10", "city": "London", "country": "England",
           "field": "mathematics", "languages": ["English", "French", "Italian"],
@@ -83,12 +88,48 @@ async def measure(url: str, args) -> tuple[dict, dict]:
     return out, texts
 
 
+def llama_lookup(args, workdir: Path) -> dict | None:
+    """Median decode tok/s of llama.cpp's llama-lookup per workload, with drafts and without,
+    and its drafted/accepted counts; None (said why) where llama.cpp or the GGUF is missing."""
+    folder, why = llama_cpp(args.llama_cpp, args.build_llama_cpp, ("llama-lookup",))
+    gguf = gguf_file(SMOLLM2_GGUF)
+    if folder is None or gguf is None:
+        print(f"\nllama-lookup skipped: {why or 'no SmolLM2 GGUF in the fetch cache'}")
+        return None
+    from shards.tokenizer import MeshTokenizer
+
+    tok = MeshTokenizer.load(args.model)
+    out: dict = {"drafted": 0, "accepted": 0}
+    for draft in (8, 0):
+        for kind, prompts in (("extraction", EXTRACTION), ("free", FREE)):
+            rates = []
+            for i, prompt in enumerate(prompts):
+                text = workdir / f"lookup-{kind}{i}.txt"
+                text.write_text(tok.render_chat([{"role": "user", "content": prompt}]))
+                done = subprocess.run(["taskset", "-c", "0", str(folder / "bin" / "llama-lookup"), "-m", str(gguf),
+                                       "-f", str(text), "-n", str(args.tokens), "-t", "1", "-c", "2048",
+                                       "--temp", "0", "--top-k", "1", "--spec-draft-n-max", str(draft)],
+                                      capture_output=True, text=True, timeout=600)
+                log = done.stdout + done.stderr
+                speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+) t/s", log)
+                if done.returncode != 0 or speed is None:
+                    print(f"\nllama-lookup failed (--spec-draft-n-max {draft}): {log.strip()[-400:]}")
+                    return None
+                rates.append(float(speed.group(1)))
+                if draft:
+                    out["drafted"] += int(re.search(r"n_drafted\s+=\s+(\d+)", log).group(1))
+                    out["accepted"] += int(re.search(r"n_accept\s+=\s+(\d+)", log).group(1))
+            out[f"{kind}-{'on' if draft else 'off'}"] = statistics.median(rates)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flag(ap)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT, help="where the figures go (default: %(default)s)")
+    add_llama_cpp_flags(ap)
     args = ap.parse_args()
     need_model(args.model)
     if (workdir := pinned_workdir("bench_speculative")) is None:
@@ -131,9 +172,22 @@ def main() -> int:
         print(f"{what}: {ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
     same = {name: texts[name] == texts["1-off"] for name in CONFIGS}
     print("texts equal 1-off's (greedy): " + ", ".join(f"{n} {ok}" for n, ok in same.items()))
+    llama = llama_lookup(args, workdir)
+    if llama is not None:
+        print("\nllama.cpp llama-lookup, same GGUF and prompts, core 0, 1 thread (decode tok/s):")
+        print("| | extraction | free |")
+        print("|---|---:|---:|")
+        for mode in ("off", "on"):
+            print(f"| llama-lookup --spec-draft-n-max {8 if mode == 'on' else 0} | {llama['extraction-' + mode]:.1f} "
+                  f"| {llama['free-' + mode]:.1f} |")
+        print(f"| meshd 1-on | {med['1-on']['extraction']:.1f} | {med['1-on']['free']:.1f} |")
+        print(f"llama-lookup on/off: extraction {llama['extraction-on'] / llama['extraction-off']:.2f}x, free "
+              f"{llama['free-on'] / llama['free-off']:.2f}x ({llama['accepted']} of {llama['drafted']} drafts taken); "
+              f"meshd 1-on / llama-lookup on: extraction {med['1-on']['extraction'] / llama['extraction-on']:.2f}x, "
+              f"free {med['1-on']['free'] / llama['free-on']:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(json.dumps({"medians": med, "ratios": ratios, "speculation": spec,
-                                                           "same_text": same}, indent=2))
+                                                           "same_text": same, "llama_lookup": llama}, indent=2))
     return 0 if all(same.values()) else 1
 
 
