@@ -33,11 +33,12 @@ def draft_dir(tmp_path_factory):
 
 
 async def _drafting(served) -> DraftModel:
-    for _ in range(200):
+    """The draft model once loaded (off the loop, after the node serves; a loaded box is slow)."""
+    for _ in range(1200):
         if served.node.scheduler.drafter is not None:
             return served.node.scheduler.drafter
         await asyncio.sleep(0.05)
-    raise AssertionError("the draft model was not loaded in 10 s")
+    raise AssertionError("the draft model was not loaded in 60 s")
 
 
 async def _off_then_on(client, served, body: dict) -> tuple[dict, dict, dict]:
