@@ -152,7 +152,7 @@ class Node:
         self.chat_template = chat_template_of(config)  # used only while this peer is the supernode
         self.started = time.time()
         self.stopping = False
-        self.relays = 0  # completions this peer's API relays to the supernode now (a stop waits for them)
+        self.relays = 0  # completions this peer answers or relays to the supernode now (a stop waits for them)
         self.relays_ending = asyncio.Event()  # set at the drain deadline: relays still open end now
         self.http: aiohttp.ClientSession | None = None  # made when the node runs (it needs the loop)
         self._tg: asyncio.TaskGroup | None = None
@@ -351,8 +351,8 @@ class Node:
 
     @contextlib.contextmanager
     def relaying(self) -> Iterator[asyncio.Event]:
-        """Counts a completion relayed to the supernode while it runs (a stop waits for it);
-        yields the event set when the stop waits no longer."""
+        """Counts a completion this peer answers or relays to the supernode while it runs
+        (a stop waits for it); yields the event set when the stop waits no longer."""
         self.relays += 1
         try:
             yield self.relays_ending

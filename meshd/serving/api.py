@@ -277,9 +277,12 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
             sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume_of(i)),
                                                 req.priority, client, cid, trace=trace if i == runs[0] else None))
         by_choice = dict(zip(runs, sessions))
-        if req.stream:
-            return await _stream(request, node, req, by_choice, tokenizer, body, cid)
-        return await _whole(request, node, req, by_choice, tokenizer, body, cid)
+        # Counted from here to the last byte, so that a stop waits for it also between its
+        # sessions ending here (the lead handed on) and its relay to the next supernode.
+        with node.relaying():
+            if req.stream:
+                return await _stream(request, node, req, by_choice, tokenizer, body, cid)
+            return await _whole(request, node, req, by_choice, tokenizer, body, cid)
     finally:
         for s in sessions:
             await node.scheduler.close(s)  # any that never got to stream

@@ -29,8 +29,8 @@ class Upstream(Protocol):
     http: aiohttp.ClientSession | None
 
     def relaying(self) -> ContextManager[asyncio.Event]:
-        """Counts a completion relayed to the supernode while it runs (a stop waits for it);
-        yields the event set when the stop waits no longer."""
+        """Counts a completion this peer answers or relays to the supernode while it runs
+        (a stop waits for it); yields the event set when the stop waits no longer."""
 
     def upstream_mark(self) -> tuple:
         """Who serves now (supernode, term, link): what a failed attempt waits to see change."""
