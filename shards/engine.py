@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from shards import rowops
-from shards.errors import ModelError
+from shards.errors import CacheMissing, ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
 from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_tables
@@ -331,7 +331,7 @@ class StageEngine:
             caches = self._caches.get(session)
             if caches is None:
                 if start != 0:
-                    raise ModelError(f"session {session} has no cache here; replay from 0, not {start}")
+                    raise CacheMissing(f"session {session} has no cache here; replay from 0, not {start}")
                 caches = self.stage.new_caches()
             cached = next(iter(caches.values())).length
             if start > cached:

@@ -11,6 +11,11 @@ class ModelError(ShardsError):
     """A model directory or source file that cannot be used."""
 
 
+class CacheMissing(ModelError):
+    """A step names a session at a position its stage holds no cache for (its cache was
+    dropped under it): the session replays from 0."""
+
+
 class ShardMissing(ShardsError):
     """A shard file is absent from the model directory."""
 

@@ -12,9 +12,10 @@ from typing import Protocol
 import torch
 
 from meshd.control.timing import SAMPLE, STEP_TIMES
-from meshd.errors import ModelError, PeerLost
+from meshd.errors import ModelError, PeerLost, StageFailed
 from protocol.messages import Segment
 from shards.engine import Score, StageEngine
+from shards.errors import CacheMissing
 
 Forwarded = Callable[[int, float], None]  # (rows, seconds) of one call through this peer's span
 
@@ -64,9 +65,11 @@ class LocalRunner:
         epoch = self.engine.epoch
         try:
             yield
-        except ModelError:
+        except ModelError as exc:
             if self.engine.closed or self.engine.epoch != epoch:  # a new plan: retry under it
                 raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
+            if isinstance(exc, CacheMissing):  # as a peer's stage answers it (Fail): a new plan, then a replay
+                raise StageFailed(f"{self.node or 'this peer'} failed the step: {exc}") from None
             raise
 
     async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
