@@ -185,9 +185,8 @@ async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_n
     """A re-plan that keeps the supernode's span clears its caches (``drop_all``); a decode
     step of the old term still queued then finds its session's cache gone. That is a
     PeerLost (the pipeline replays under the new plan), not a ModelError (a 500)."""
-    from meshd.errors import PeerLost
+    from meshd.errors import PeerLost, StageFailed
     from protocol.messages import Segment
-    from shards.errors import ModelError
 
     runner = LocalRunner(engine)
     await engine.step([("s", 0, 3)], [5, 6, 7])
@@ -201,5 +200,7 @@ async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_n
     await busy
     with pytest.raises(PeerLost):
         await queued
-    with pytest.raises(ModelError):  # the same call with no re-plan under it is the model's error
+    # The same call with no re-plan under it: a Fail, as a peer's stage answers a missing
+    # cache (the pipeline asks for a new plan and replays), not a model error that ends it.
+    with pytest.raises(StageFailed, match="no cache here"):
         await runner.step(1, [Segment("s", 3, 1)], [8])
