@@ -315,8 +315,8 @@ class Node:
             await runner.cleanup()
             await self.http.close()
             self.store.close()
-            if self.scheduler.drafter is not None:
-                self.scheduler.drafter.close()
+            if self.scheduler.drafter is not None:  # (its worker joined off the loop)
+                await asyncio.to_thread(self.scheduler.drafter.close)
             log.info("node_stopped")
 
     async def _step_down(self) -> None:

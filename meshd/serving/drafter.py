@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from meshd.serving.lookup import DECAY, EMA
+from meshd.serving.lookup import EMA, Acceptance
 from shards.engine import StageEngine
 from shards.errors import ModelError
 from shards.manifest import TOKENIZER_FILE, Manifest
@@ -31,19 +31,17 @@ MAX_SESSIONS = 256  # draft caches kept; the least recently drafted goes first b
 
 
 class DraftModel:
-    def __init__(self, engine: StageEngine, target: Manifest):
+    def __init__(self, engine: StageEngine):
         self.engine = engine
         self.name = engine.manifest.name
-        self.target = target  # the served model it was checked against
         self.context = engine.manifest.config.max_position
         self.vocab = engine.manifest.config.vocab_size
         self._known: dict[str, list[int]] = {}  # session -> the tokens its draft cache holds, in use order
         self._lock = threading.Lock()  # _known: drafts on the engine's thread, forget on the loop's
         self.token_s = 0.0  # seconds a row fed to it costs here (a moving average; 0 before the first)
-        # How often its drafted tokens are taken (decayed counts over every session: how well
-        # it guesses is the pair of models' more than a session's); hopeful at first, so that
-        # it is tried and learned.
-        self.taken_n, self.missed_n = 3.0, 1.0
+        # How often its drafted tokens are taken, over every session (how well it guesses is
+        # the pair of models' more than a session's); hopeful at first, so that it is tried.
+        self.acceptance = Acceptance(taken=3.0, missed=1.0)
 
     @classmethod
     def load(cls, model_dir: Path, target: Manifest, device: str = "auto", dtype: str = "auto") -> DraftModel:
@@ -59,7 +57,7 @@ class DraftModel:
         # One thread: a second worker running torch's parallel regions on several threads
         # would make libgomp stop spinning for the stage's own (shards/engine.py use_threads).
         engine = StageEngine.load(model_dir, Span(0, manifest.n_layers), True, True, device, dtype, threads=1)
-        return cls(engine, target)
+        return cls(engine)
 
     async def draft(self, session: str, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens the draft model picks greedily after ``tokens`` (none where they
@@ -71,15 +69,6 @@ class DraftModel:
         took = (time.perf_counter() - t0) / fed  # per row: a session's first draft feeds its whole prompt
         self.token_s = took if not self.token_s else (1 - EMA) * self.token_s + EMA * took
         return out
-
-    @property
-    def rate(self) -> float:
-        return self.taken_n / (self.taken_n + self.missed_n)
-
-    def taken(self, drafted: int, accepted: int) -> None:
-        """How a draft went: ``accepted`` of its ``drafted`` tokens taken (as PromptLookup's)."""
-        self.taken_n = self.taken_n * DECAY + accepted
-        self.missed_n = self.missed_n * DECAY + (accepted < drafted)
 
     def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int]:  # on the engine's thread
         """The draft, and how many rows it fed the model."""

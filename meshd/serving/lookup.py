@@ -26,21 +26,34 @@ DECAY = 0.8  # of the acceptance counts at each draft (recent drafts weigh most)
 EMA = 0.2  # weight of a new step time in ``StepCost``
 
 
-class PromptLookup:
-    """The n-grams of one session's tokens, each mapped to the position of the token that
-    followed its latest occurrence, kept up to date as the session's tokens grow; and how
-    often this session's drafted tokens were taken (decayed counts, a prior of one each)."""
+class Acceptance:
+    """How often a proposer's drafted tokens were taken: decayed counts from a prior."""
 
-    def __init__(self) -> None:
-        self._after: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # followers at positions below this are in ``_after``
-        self.taken_n, self.missed_n = 1.0, 1.0
-        self.guess: int | None = None  # the first token of a draft not sent (its outcome is still news)
+    def __init__(self, taken: float = 1.0, missed: float = 1.0) -> None:
+        self.taken_n, self.missed_n = taken, missed
 
     @property
     def rate(self) -> float:
         """The chance that a drafted token is taken, as seen so far."""
         return self.taken_n / (self.taken_n + self.missed_n)
+
+    def taken(self, drafted: int, accepted: int) -> None:
+        """How a draft went: ``accepted`` of its ``drafted`` tokens taken (then one missed,
+        unless all were taken)."""
+        self.taken_n = self.taken_n * DECAY + accepted
+        self.missed_n = self.missed_n * DECAY + (accepted < drafted)
+
+
+class PromptLookup(Acceptance):
+    """The n-grams of one session's tokens, each mapped to the position of the token that
+    followed its latest occurrence, kept up to date as the session's tokens grow; and how
+    often this session's drafted tokens were taken (a prior of one each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._after: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # followers at positions below this are in ``_after``
+        self.guess: int | None = None  # the first token of a draft not sent (its outcome is still news)
 
     def draft(self, tokens: list[int], most: int) -> list[int]:
         """Up to ``most`` tokens that followed the latest earlier occurrence of the longest
@@ -56,12 +69,6 @@ class PromptLookup:
             if at is not None:
                 return tokens[at:at + most]
         return []
-
-    def taken(self, drafted: int, accepted: int) -> None:
-        """How a draft went: ``accepted`` of its ``drafted`` tokens taken (then one missed,
-        unless all were taken)."""
-        self.taken_n = self.taken_n * DECAY + accepted
-        self.missed_n = self.missed_n * DECAY + (accepted < drafted)
 
     def held_back(self, guess: int, token: int) -> None:
         """A draft's first token that was not sent (it did not pay) against the token the

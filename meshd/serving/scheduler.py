@@ -289,16 +289,13 @@ class Scheduler:
         step is one session's decode row, whose time is then a step cost to learn from."""
         if not self.speculate or len(batch) > SPECULATE_UP_TO:
             return False
-        plan = self.pipeline.plan
-        decoding = [s for s in batch if plan is not None and s.term == plan.term
-                    and s.cached == len(s.tokens) - 1 and not s.finished]
+        decoding = self._decoding(batch)
         for s in decoding:
             if (look := s.lookup) is None:
                 continue
             # Room: the draft's rows and the token after them within max_tokens (its KV share).
-            guess = look.draft(s.tokens, min(MAX_DRAFT, s.params.max_tokens - len(s.generated) - 1))
-            if guess and s.sampler is not None and (mask := s.sampler.mask) is not None:
-                guess = guess[:mask.allows(guess)]  # a grammar's session: what its mask allows
+            room = min(MAX_DRAFT, s.params.max_tokens - len(s.generated) - 1)
+            guess = _grammar_cut(s, look.draft(s.tokens, room))
             if not guess:
                 continue
             k = len(guess) if self.draft_always else self.step_cost.best_draft(look.rate, len(guess))
@@ -316,14 +313,12 @@ class Scheduler:
         drafter = self.drafter
         if drafter is None or len(batch) > SPECULATE_UP_TO:
             return
-        plan = self.pipeline.plan
-        for s in batch:
-            look = s.lookup
-            if (look is None or s.draft or plan is None or s.term != plan.term or s.finished
-                    or s.cached != len(s.tokens) - 1):
+        for s in self._decoding(batch):
+            if s.lookup is None or s.draft:
                 continue
             room = min(DRAFT_MODEL_TOKENS, s.params.max_tokens - len(s.generated) - 1)
-            k = room if self.draft_always else self.step_cost.best_draft(drafter.rate, room, drafter.token_s)
+            rate = drafter.acceptance.rate
+            k = room if self.draft_always else self.step_cost.best_draft(rate, room, drafter.token_s)
             if k <= 0:
                 continue
             try:
@@ -332,10 +327,14 @@ class Scheduler:
                 log.warning("draft_model_failed", model=drafter.name, error=str(exc))
                 self.drop_drafter()
                 return
-            if guess and s.sampler is not None and (mask := s.sampler.mask) is not None:
-                guess = guess[:mask.allows(guess)]
-            if guess:
+            if guess := _grammar_cut(s, guess):
                 s.draft, s.draft_by_model = guess, True
+
+    def _decoding(self, batch: list[Session]) -> list[Session]:
+        """The step's sessions with one row to go under the active plan: those a draft may ride beside."""
+        plan = self.pipeline.plan
+        return [s for s in batch if plan is not None and s.term == plan.term
+                and s.cached == len(s.tokens) - 1 and not s.finished]
 
     def drop_drafter(self) -> None:
         """Put the draft model aside; its worker ends off the loop (it may be mid-draft)."""
@@ -349,7 +348,7 @@ class Scheduler:
         if not by_model:
             s.lookup.taken(drafted, accepted)
         elif self.drafter is not None:
-            self.drafter.taken(drafted, accepted)
+            self.drafter.acceptance.taken(drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
         self.draft_steps += 1
@@ -648,6 +647,12 @@ def _prompt_scores(session: Session) -> tuple[TokenLogprobs, ...]:
     if not scores:
         return ()
     return tuple(scores[p] for p in range(1, session.prompt_len))
+
+
+def _grammar_cut(session: Session, guess: list[int]) -> list[int]:
+    """A draft cut before the first token the session's grammar would refuse (none: whole)."""
+    mask = session.sampler.mask if session.sampler is not None else None
+    return guess[:mask.allows(guess)] if guess and mask is not None else guess
 
 
 def _pick(session: Session, logits: torch.Tensor, after: list[int] | None = None) -> int:
