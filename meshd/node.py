@@ -165,8 +165,7 @@ class Node:
                                    lambda: self.pipeline.totals)  # one registry per node
         self.traces.on_done = self.metrics.request_done
         self.pipeline = Pipeline(lambda: self.store.engine,
-                                 on_stage_failed=lambda why: self.leader.view_changed(f"a stage failed: {why}",
-                                                                                      urgent=True),
+                                 on_step_failed=lambda why, linked: self.leader.step_failed(why, linked),
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
@@ -373,11 +372,15 @@ class Node:
         assert self._tg is not None
         task = _guarded(coro, link)
         try:
-            return self._tg.create_task(task)
+            started = self._tg.create_task(task)
         except RuntimeError:  # the group is shutting down: nothing new starts, the node stops
             task.close()
             coro.close()
             raise Stopping("this peer is stopping") from None
+        # A task cancelled before it ran (the node stopped with a message just read) never
+        # awaited ``coro``: closed here, it is not reported as a coroutine never awaited.
+        started.add_done_callback(lambda _: coro.close())
+        return started
 
     # -- messages ------------------------------------------------------------------
 

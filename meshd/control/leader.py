@@ -108,6 +108,14 @@ class Leader:
         if urgent:
             self.view.changes.pulse()  # a join deferred for the streams in flight waits no longer
 
+    def step_failed(self, why: str, linked: bool) -> None:
+        """A step failed under the active plan and its sessions wait for the next one. A
+        stage that failed it (``linked``) shows no loss, so this asks for the re-plan; a lost
+        link asks for it too, unless a negotiation already runs (the loss's, or the one that
+        replaced the span the step ran on): restarting it would only cost the wait again."""
+        if linked or not (self.negotiating() or self._urgent):
+            self.view_changed(f"a stage failed: {why}" if linked else f"a step lost a peer: {why}", urgent=True)
+
     async def run(self) -> None:
         while True:
             await self._changed.wait()
@@ -171,12 +179,16 @@ class Leader:
             self._lead_task = self.spawn(self._lead(self._reason))
         else:
             if self.view.is_supernode:
-                # The sessions running here go on at the new supernode at once (the entry
-                # peers resubmit theirs, the API hands on its own), not after a timeout.
-                log.info("supernode_yields", to=winner)
-                self.spawn(self.pipeline.suspend(f"supernode moved to {winner}", moved=True))
+                self._yield_to(winner)
             self.view.set_supernode(winner)
             self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, f"waiting for a plan from {winner}")
+
+    def _yield_to(self, winner: NodeId) -> None:
+        """This supernode gives the lead to ``winner``: the sessions running here go on at
+        the new supernode at once (the entry peers resubmit theirs, the API hands on its
+        own), not after a timeout."""
+        log.info("supernode_yields", to=winner)
+        self.spawn(self.pipeline.suspend(f"supernode moved to {winner}", moved=True))
 
     async def _recheck_after(self, wait: float) -> None:
         await asyncio.sleep(wait + 0.05)
@@ -449,6 +461,10 @@ class Leader:
             return Reject(plan.term, f"stale term: this peer is at term {self.view.term}",
                           code=RejectCode.STALE_TERM, held_term=self.view.term)
         self.view.hold_term(plan.term)
+        if self.view.is_supernode and sender != self.view.node_id:
+            # The plan of the peer it elects can come before this peer's own re-election
+            # (a join settles first): its steps would wait on a plan of its own that never comes.
+            self._yield_to(sender)
         self.view.set_supernode(sender)
         return None
 

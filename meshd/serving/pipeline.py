@@ -52,8 +52,10 @@ class ActivePlan:
 
 class Pipeline:
     def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0,
-                 on_stage_failed: Callable[[str], None] | None = None, node: str = ""):
-        self.on_stage_failed = on_stage_failed
+                 on_step_failed: Callable[[str, bool], None] | None = None, node: str = ""):
+        # A step failed under the active plan: (why, whether the stage that failed it is
+        # still linked), for the leader to re-plan.
+        self.on_step_failed = on_step_failed
         self.node = node  # this peer's id: its head work in a step's times
         self.totals = Totals()  # every timed step's parts, summed (live figures, /metrics)
         # A callable, because the supernode's engine is replaced when its own span changes.
@@ -62,6 +64,7 @@ class Pipeline:
         self._changed = asyncio.Condition()
         self._wait_s = wait_s
         self._unavailable = "no plan is active yet"
+        self._failed = ""  # why the last step failed (a replay waits for a newer plan)
         self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
         self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
@@ -104,13 +107,19 @@ class Pipeline:
                     raise SupernodeChanged(self._moved)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoCapacity(self._unavailable)
+                    raise NoCapacity(self._why_waiting(newer_than))
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
-                    raise NoCapacity(self._unavailable) from None
+                    raise NoCapacity(self._why_waiting(newer_than)) from None
             assert self._plan is not None
             return self._plan
+
+    def _why_waiting(self, newer_than: int | None) -> str:
+        if self._plan is None or newer_than is None:
+            return self._unavailable
+        return (f"a step failed under plan term {newer_than} ({self._failed}) and no new plan came "
+                f"within {self._wait_s:.0f} s")
 
     async def step(self, sessions: list, pick: Callable[[object, torch.Tensor], int],
                    times: StepTimes | None = None) -> dict[str, int | None]:
@@ -168,11 +177,13 @@ class Pipeline:
                 if attempts > MAX_STEP_ATTEMPTS:
                     raise NoCapacity(f"a step failed {attempts} times; last: {exc}") from None
                 current = self._plan.term if self._plan is not None else None
-                if isinstance(exc, StageFailed) and current == plan.term and self.on_stage_failed is not None:
-                    # The link is up, so no loss will be seen: ask for a new plan. (A
+                if current == plan.term and self.on_step_failed is not None:
+                    # Ask for a new plan: a stage that failed the step is still linked, so
+                    # no loss will be seen; and a re-plan the leader would defer (a join,
+                    # while streams run) must not wait on the streams that wait on it. (A
                     # step of an older term failing is explained by the newer plan.)
-                    self.on_stage_failed(str(exc))
-                failed_term = plan.term
+                    self.on_step_failed(str(exc), isinstance(exc, StageFailed))
+                failed_term, self._failed = plan.term, str(exc)
                 for s in sessions:
                     s.term = None
                 continue
