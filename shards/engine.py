@@ -429,6 +429,11 @@ class StageEngine:
         caches = self._caches.get(session)
         return next(iter(caches.values())).length if caches else 0
 
+    def held_positions(self) -> int:
+        """Positions of memory every session's caches hold (a cache grows in chunks and
+        keeps them when cut back): what the supernode's KV budget counts."""
+        return sum(next(iter(c.values())).capacity for c in list(self._caches.values()) if c)
+
     def drop(self, session: str) -> None:
         # Dict pop is atomic; the worker only reads the entry inside a call it already holds.
         self._caches.pop(session, None)

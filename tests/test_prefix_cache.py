@@ -17,7 +17,7 @@ import pytest
 from meshd.control.runner import LocalRunner
 from meshd.errors import NoCapacity, PeerLost
 from meshd.serving.pipeline import Pipeline
-from meshd.serving.prefix import MIN_REUSE
+from meshd.serving.prefix import KV_CHUNK, MIN_REUSE
 from meshd.serving.scheduler import Scheduler
 from protocol.messages import Assignment, NodeId
 from shards.engine import StageEngine, generate_greedy
@@ -122,9 +122,10 @@ async def test_turn_two_takes_over_turn_ones_caches_and_answers_the_same(mesh):
     sched, a, b = await mesh()
     assert await generate(sched, TURN1) == want1
     held = len(TURN1) + len(want1) - 1  # the last reply token was sampled, never fed
-    assert sched.prefix.stats() | {"misses": 0} == {"entries": 1, "tokens": held, "hits": 0, "misses": 0,
-                                                     "tokens_saved": 0, "evictions": 0}
+    assert sched.prefix.stats() | {"misses": 0} == {"entries": 1, "tokens": held, "held": KV_CHUNK, "hits": 0,
+                                                     "misses": 0, "tokens_saved": 0, "evictions": 0}
     assert a.engine.sessions == b.engine.sessions == 1, "turn 1's caches were not kept on both stages"
+    assert a.engine.held_positions() == b.engine.held_positions() == KV_CHUNK, "the entry counts what they hold"
     rows_before = a.rows, b.rows
     got2 = await generate(sched, turn2)
     assert got2 == want2, "the cached prefix changed the tokens"
@@ -136,6 +137,7 @@ async def test_turn_two_takes_over_turn_ones_caches_and_answers_the_same(mesh):
     assert (a.rows - rows_before[0], b.rows - rows_before[1]) == (new_rows, new_rows)
     # One entry again: turn 2's longer caches, under the key turn 1's started.
     assert stats["entries"] == 1 and stats["tokens"] == len(turn2) + len(got2) - 1
+    assert stats["held"] == a.engine.held_positions() == b.engine.held_positions()
     assert a.engine.sessions == b.engine.sessions == 1
 
     # A prompt sharing less than MIN_REUSE tokens takes nothing over.
@@ -192,8 +194,9 @@ async def test_the_cache_gives_positions_back_and_a_new_term_invalidates_it(mesh
     sched, a, b = await mesh()
     reply = await generate(sched, TURN1)
     held = len(TURN1) + len(reply) - 1
-    # Room for the running request plus exactly what is cached: admitted, nothing evicted.
-    sched.kv_budget_tokens = held + len(TURN1) + REPLY
+    # Room for the running request plus exactly what the cache holds: admitted, nothing evicted.
+    assert sched.prefix.held == KV_CHUNK and held < KV_CHUNK
+    sched.kv_budget_tokens = KV_CHUNK + len(TURN1) + REPLY
     other = [t + 1 for t in TURN1]
     await generate(sched, other)
     assert sched.prefix.stats()["entries"] == 2 and sched.prefix.stats()["evictions"] == 0
@@ -213,6 +216,40 @@ async def test_the_cache_gives_positions_back_and_a_new_term_invalidates_it(mesh
     await generate(sched, TURN1 + reply + TURN2_MORE)
     assert sched.prefix.stats()["hits"] == hits
     assert sched.prefix.stats()["entries"] == 1 and a.engine.sessions == b.engine.sessions == 1
+
+
+async def test_an_entry_counts_the_chunks_its_caches_hold_and_its_taker_holds_them_too(mesh):
+    """A stage's cache grows in chunks and keeps them when cut back: an entry that reached
+    past one chunk counts two, and the short turn 2 that takes it over holds two as well.
+    Where the budget has no room for them the prefix is computed again instead (same
+    tokens); with room, it is taken over and the cache still counts what the stages hold."""
+    plain, _, _ = await mesh(entries=0)
+    sched, a, b = await mesh()
+    first = [(5 * i + 1) % 200 + 10 for i in range(KV_CHUNK - 4)]  # its reply crosses into a second chunk
+    await generate(sched, first)
+    assert sched.prefix.held == a.engine.held_positions() == b.engine.held_positions() == 2 * KV_CHUNK
+    short = first[:100] + [1, 2, 3]
+    want = await generate(plain, short)
+
+    sched.kv_budget_tokens = 2 * KV_CHUNK - 1  # room for the request's 115 positions, not for the entry's memory
+    assert await generate(sched, short) == want
+    assert sched.prefix.stats()["hits"] == 0 and sched.prefix.stats()["evictions"] == 1
+    await asyncio.sleep(0.05)  # the eviction's drops run beside the admission
+    assert sched.prefix.held == a.engine.held_positions() == b.engine.held_positions() == KV_CHUNK
+
+    sched.kv_budget_tokens = None
+    await generate(sched, first)  # takes short's entry over (100 tokens shared) and grows it to two chunks
+    assert sched.prefix.stats()["hits"] == 1
+    assert sched.prefix.held == a.engine.held_positions() == b.engine.held_positions() == 2 * KV_CHUNK
+    turn2 = first[:150] + [4]
+    want = await generate(plain, turn2)
+    sched.kv_budget_tokens = 2 * KV_CHUNK
+    assert await generate(sched, turn2) == want
+    assert sched.prefix.stats()["hits"] == 2, "turn 2 did not take the entry over"
+    # 162 positions cached, in the two chunks the stages still hold.
+    assert sched.prefix.stats()["tokens"] == len(turn2) + REPLY - 1
+    assert sched.prefix.held == a.engine.held_positions() == b.engine.held_positions() == 2 * KV_CHUNK
+    assert sched.reserved_tokens == 0
 
 
 LONG = [(11 * i + 5) % 250 + 20 for i in range(300)]

@@ -72,7 +72,7 @@ class LiveFeed:
             "tokens_per_s": round((tokens - last[1]) / dt, 2) if last is not None and dt > 0 else 0.0,
             "running": running, "queued": queued,
             "ttft_p50_ms": _ms(p50), "ttft_p95_ms": _ms(p95),
-            "kv_reserved": self.scheduler.reserved_tokens, "kv_prefix": self.scheduler.prefix.tokens,
+            "kv_reserved": self.scheduler.reserved_tokens, "kv_prefix": self.scheduler.prefix.held,
             "kv_budget": self.scheduler.kv_budget_tokens,
             "peers": self._peers(dt, seconds, calls, last),
         }

@@ -166,6 +166,7 @@ class Pipeline:
                 if start != len(s.tokens) - 1:
                     s.draft = []  # a draft rides only beside a decode row (not a prompt's or a replay's)
                 work.append((s, start, min(len(s.tokens) + len(s.draft) - start, PREFILL_CHUNK)))
+                s.kv_peak = max(s.kv_peak if start else 0, start + work[-1][2])
             try:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")

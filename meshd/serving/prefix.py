@@ -8,7 +8,10 @@ rest), so turn 2 of a chat prefills only what turn 1 did not already hold. An en
 is used by one session at a time: taking it removes it here, and when that session
 ends its longer cache becomes the entry for turn 3.
 
-Entries count against the scheduler's KV budget; the least recently used is evicted
+Entries count against the scheduler's KV budget by the memory their caches hold: a
+stage's cache grows in whole chunks of positions (``KV_CHUNK``) and keeps them when cut
+back, so an entry counts its peak length rounded up to a chunk, and the session that
+takes it over holds at least that. The least recently used entry is evicted
 (its caches dropped on the stages) when a new request needs the room, when there are
 more than ``max_entries``, and every entry of another term as soon as the term moves
 on (a new plan may have moved the spans: its caches are gone or stale).
@@ -21,22 +24,31 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from shards.model import KVCache
+
 # A shorter common prefix is not worth taking an entry over (and truncating it away
 # from the conversation it belongs to).
 MIN_REUSE = 16
+KV_CHUNK = KVCache.CHUNK  # positions a stage's cache grows by (and never gives back)
+
+
+def chunked(positions: int) -> int:
+    """The positions a stage's cache holds memory for once it has reached ``positions``."""
+    return -(-positions // KV_CHUNK) * KV_CHUNK
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     tokens: tuple[int, ...]  # what the stages' caches hold, position by position
     term: int
+    held: int  # positions of memory its caches hold (whole chunks)
 
 
 @dataclass(frozen=True, slots=True)
 class Hit:
     key: str  # the stages' cache key to take over
     reuse: int  # leading positions not to compute again
-    held: int  # positions the entry held (its share of the budget, now the session's)
+    held: int  # positions of memory the entry held (its share of the budget, now the session's)
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
@@ -51,7 +63,8 @@ class PrefixCache:
     def __init__(self, max_entries: int = 32):
         self.max_entries = max_entries
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
-        self.tokens = 0  # positions held by all entries
+        self.tokens = 0  # positions cached by all entries
+        self.held = 0  # positions of memory their caches hold: what counts against the KV budget
         self.hits = 0
         self.misses = 0
         self.tokens_saved = 0
@@ -80,7 +93,7 @@ class PrefixCache:
                 continue
             reuse = min(common_prefix(e.tokens, tokens), len(tokens) - 1)
             if reuse >= MIN_REUSE and (best is None or reuse > best.reuse):
-                best = Hit(key, reuse, len(e.tokens))
+                best = Hit(key, reuse, e.held)
         return best
 
     def take(self, hit: Hit) -> None:
@@ -92,13 +105,17 @@ class PrefixCache:
     def miss(self) -> None:
         self.misses += 1
 
-    def put(self, key: str, tokens: list[int], term: int) -> list[str]:
-        """Keep a finished session's caches; the keys evicted to stay within max_entries."""
+    def put(self, key: str, tokens: list[int], term: int, peak: int = 0) -> list[str]:
+        """Keep a finished session's caches, which reached ``peak`` positions (drafts
+        checked past its tokens, a longer entry it took over); the keys evicted to stay
+        within max_entries."""
         if not self.enabled or not tokens:
             return [key]
         self._remove(key)
-        self._entries[key] = Entry(tuple(tokens), term)
+        entry = Entry(tuple(tokens), term, chunked(max(peak, len(tokens))))
+        self._entries[key] = entry
         self.tokens += len(tokens)
+        self.held += entry.held
         evicted = []
         while len(self._entries) > self.max_entries:
             evicted.append(self.evict_one())
@@ -116,7 +133,9 @@ class PrefixCache:
         e = self._entries.pop(key, None)
         if e is not None:
             self.tokens -= len(e.tokens)
+            self.held -= e.held
 
     def stats(self) -> dict:
-        return {"entries": len(self._entries), "tokens": self.tokens, "hits": self.hits, "misses": self.misses,
+        return {"entries": len(self._entries), "tokens": self.tokens, "held": self.held, "hits": self.hits,
+                "misses": self.misses,
                 "tokens_saved": self.tokens_saved, "evictions": self.evictions}

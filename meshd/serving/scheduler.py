@@ -86,6 +86,7 @@ class Session:
     cached: int = 0
     term: int | None = None
     reserved: int = 0  # KV positions admitted for it
+    kv_peak: int = 0  # the most positions its stage caches reached (they keep that memory when cut back)
     client: str | None = None  # who asked (an API key's hash, an address), for KV fairness
     request: object = None  # the request it is a choice of (a request's choices count as one)
     sampler: Sampler | None = None
@@ -384,6 +385,10 @@ class Scheduler:
             self._drop_later(self.prefix.stale(plan.term))
             if session.prompt_scores is None:  # a cached prefix's rows would go unscored
                 hit = self.prefix.find(session.tokens, plan.term)
+        if hit is not None and budget is not None and self.reserved_tokens + hit.held > budget:
+            hit = None  # its caches hold more than is left: the prefix is computed again instead
+        if hit is not None:
+            need = max(need, hit.held)  # its caches keep the entry's memory, used or not
         if budget is not None:
             if self.reserved_tokens + need > budget:  # even with the prefix cache emptied
                 raise NoCapacity(
@@ -402,12 +407,12 @@ class Scheduler:
                                  f"{budget} positions); retry shortly")
             taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
             evicted = []
-            while self.reserved_tokens + self.prefix.tokens - taken + need > budget:
+            while self.reserved_tokens + self.prefix.held - taken + need > budget:
                 evicted.append(self.prefix.evict_one(keep=hit.key if hit is not None else None))
             self._drop_later(evicted)
         if hit is not None:
             self.prefix.take(hit)
-            session.kv, session.cached, session.term = hit.key, hit.reuse, plan.term
+            session.kv, session.cached, session.term, session.kv_peak = hit.key, hit.reuse, plan.term, hit.held
             log.info("prefix_cache_hit", reused=hit.reuse, tokens=len(session.tokens))
         elif self.prefix.enabled:
             self.prefix.miss()
@@ -481,7 +486,7 @@ class Scheduler:
         plan = self.pipeline.plan
         if plan is not None and session.term == plan.term and session.cached > 0 and self.prefix.enabled:
             drop = self.prefix.stale(plan.term)
-            drop += self.prefix.put(session.kv, session.tokens[:session.cached], plan.term)
+            drop += self.prefix.put(session.kv, session.tokens[:session.cached], plan.term, session.kv_peak)
         else:
             drop = [session.kv]
         await self.pipeline.drop(drop)
