@@ -165,7 +165,8 @@ class Node:
                                    lambda: self.pipeline.totals)  # one registry per node
         self.traces.on_done = self.metrics.request_done
         self.pipeline = Pipeline(lambda: self.store.engine,
-                                 on_step_failed=lambda why, linked: self.leader.step_failed(why, linked),
+                                 on_stage_failed=lambda why: self.leader.view_changed(f"a stage failed: {why}",
+                                                                                      urgent=True),
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)

@@ -108,14 +108,6 @@ class Leader:
         if urgent:
             self.view.changes.pulse()  # a join deferred for the streams in flight waits no longer
 
-    def step_failed(self, why: str, linked: bool) -> None:
-        """A step failed under the active plan and its sessions wait for the next one. A
-        stage that failed it (``linked``) shows no loss, so this asks for the re-plan; a lost
-        link asks for it too, unless a negotiation already runs (the loss's, or the one that
-        replaced the span the step ran on): restarting it would only cost the wait again."""
-        if linked or not (self.negotiating() or self._urgent):
-            self.view_changed(f"a stage failed: {why}" if linked else f"a step lost a peer: {why}", urgent=True)
-
     async def run(self) -> None:
         while True:
             await self._changed.wait()

@@ -52,10 +52,8 @@ class ActivePlan:
 
 class Pipeline:
     def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0,
-                 on_step_failed: Callable[[str, bool], None] | None = None, node: str = ""):
-        # A step failed under the active plan: (why, whether the stage that failed it is
-        # still linked), for the leader to re-plan.
-        self.on_step_failed = on_step_failed
+                 on_stage_failed: Callable[[str], None] | None = None, node: str = ""):
+        self.on_stage_failed = on_stage_failed
         self.node = node  # this peer's id: its head work in a step's times
         self.totals = Totals()  # every timed step's parts, summed (live figures, /metrics)
         # A callable, because the supernode's engine is replaced when its own span changes.
@@ -178,12 +176,12 @@ class Pipeline:
                 if attempts > MAX_STEP_ATTEMPTS:
                     raise NoCapacity(f"a step failed {attempts} times; last: {exc}") from None
                 current = self._plan.term if self._plan is not None else None
-                if current == plan.term and self.on_step_failed is not None:
-                    # Ask for a new plan: a stage that failed the step is still linked, so
-                    # no loss will be seen; and a re-plan the leader would defer (a join,
-                    # while streams run) must not wait on the streams that wait on it. (A
-                    # step of an older term failing is explained by the newer plan.)
-                    self.on_step_failed(str(exc), isinstance(exc, StageFailed))
+                if isinstance(exc, StageFailed) and current == plan.term and self.on_stage_failed is not None:
+                    # The link is up, so no loss will be seen: ask for a new plan. (A lost
+                    # link's loss asks for it; asked here too, before the read loop sees the
+                    # loss, it made two re-plans of one loss. A step of an older term
+                    # failing is explained by the newer plan.)
+                    self.on_stage_failed(str(exc))
                 failed_term, self._failed = plan.term, str(exc)
                 for s in sessions:
                     s.term = None
