@@ -25,6 +25,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import structlog
@@ -79,6 +80,7 @@ from protocol.messages import (
     Leaving,
     Measured,
     Message,
+    ModelName,
     NodeId,
     Plan,
     Reject,
@@ -159,7 +161,7 @@ class Node:
 
         model = local_model(config)
         self.view = MeshView(self.node_id, self._capabilities(*model))
-        self.store = ModelStore(config, self.view, self.secret, lambda: self.http, model)
+        self.store = ModelStore(config, self.view, self.secret, self._http_client, model)
         self.traces = TraceStore(self.node_id)  # request timelines: those running, the last few hundred
         self.metrics = NodeMetrics(self.view, self.device, self.status, self.traces,
                                    lambda: self.pipeline.totals)  # one registry per node
@@ -177,14 +179,19 @@ class Node:
                              isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
-        self.tunnel = tunnel.TunnelServer(lambda: self.http, self.own_url, self._tunneled_leave, self.spawn,
+        self.tunnel = tunnel.TunnelServer(self._http_client, self.own_url, self._tunneled_leave, self.spawn,
                                           self.local_token, lambda peer, body: self.batches.on_replica(peer, body))
-        self.keeper = LinkKeeper(config, self.view, self.identity, lambda: self.http, self.spawn, self.handle,
+        self.keeper = LinkKeeper(config, self.view, self.identity, self._http_client, self.spawn, self.handle,
                                  on_joined=self.leader.peer_joined, on_lost=self.leader.peer_lost,
                                  on_beat=self.leader.beat)
         self.batches = BatchRunner(self)  # batch jobs submitted to this peer, in its state dir
         self.live = LiveFeed(self.view, config.name, self.scheduler, lambda: self.pipeline.totals, self.traces,
                              self.batches.status)  # a sample a second, the last 15 minutes
+
+    def _http_client(self) -> aiohttp.ClientSession:
+        """The node's HTTP client, for its parts that are called only while it runs (the
+        links, the tunnel, the store's downloads, the API): ``run`` makes it first."""
+        return cast(aiohttp.ClientSession, self.http)
 
     # -- identity ------------------------------------------------------------------
 
@@ -214,9 +221,9 @@ class Node:
         vram = self.config.advertise_vram
         if vram is None:
             vram = detect_vram(self.device)
-        models = {m.name for m in list_models(self.config.state_dir)}
+        models = {ModelName(m.name) for m in list_models(self.config.state_dir)}
         if manifest is not None:
-            models.add(manifest.name)
+            models.add(ModelName(manifest.name))
         # A simulated slow box (debug delay) must look slow to placement too.
         layer_ms = apart(lambda: speed_probe(self.device)) + self.config.debug_layer_delay_ms
         return Capabilities(
@@ -540,11 +547,14 @@ class Node:
         data = json.dumps(body).encode()
         if self.view.is_supernode:
             headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id, traceparent)
-            async with self.http.post(self.own_url() + path, data=data, headers=headers, ssl=False,
-                                      timeout=timeout) as up:
+            async with self._http_client().post(self.own_url() + path, data=data, headers=headers, ssl=False,
+                                                timeout=timeout) as up:
                 yield up
             return
-        link = self.view.links[self.view.supernode]
+        supernode = self.view.supernode
+        link = self.view.links.get(supernode) if supernode is not None else None
+        if link is None:  # never: routable() just saw the supernode's link, and nothing ran since
+            raise NoCapacity("no link to the supernode")
         async with tunnel.call(link, "POST", path, data, authorization,
                                sock_read=timeout.sock_read if timeout is not None else None, client=client,
                                request_id=request_id, traceparent=traceparent) as up:
@@ -586,7 +596,9 @@ class Node:
 
     def upstream_mark(self) -> tuple:
         view = self.view
-        return view.supernode, self.current_term(), None if view.is_supernode else view.links.get(view.supernode)
+        supernode = view.supernode
+        link = view.links.get(supernode) if supernode is not None and not view.is_supernode else None
+        return supernode, self.current_term(), link
 
     async def wait_upstream_change(self, mark: tuple, same_again: bool = True) -> None:
         """After an attempt failed (the supernode lost, yielded or stopping): wait until a

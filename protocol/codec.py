@@ -24,7 +24,7 @@ import math
 import re
 from enum import IntEnum
 from functools import cache
-from typing import Any, Callable, get_args, get_origin, get_type_hints
+from typing import Any, Callable, TypeGuard, cast, get_args, get_origin, get_type_hints
 
 import msgpack
 
@@ -79,9 +79,9 @@ def unpack_tensor(d: object, max_elements: int = DEFAULT_MAX_FRAME) -> WireTenso
     if not isinstance(d, dict):
         raise ProtocolError(f"tensor must be a map, got {type(d).__name__}")
     name, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
-    itemsize = DTYPES.get(name) if isinstance(name, str) else None
-    if itemsize is None:
+    if not isinstance(name, str) or name not in DTYPES:
         raise ProtocolError(f"tensor dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}")
+    itemsize = DTYPES[name]
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
         raise ProtocolError(f"tensor shape must be a list of at most {MAX_NDIM} sizes")
     if not all(_is_int(n) and 0 <= n <= max_elements for n in shape):
@@ -113,7 +113,8 @@ Writer = Callable[[Any], Any]
 
 
 def _put_fields(obj: object, out: dict) -> dict:
-    for name, write in _field_writers(type(obj)):
+    cls: type = type(obj)  # (mypy finds ``type[object]``, what ``type(obj)`` gives, not hashable for @cache)
+    for name, write in _field_writers(cls):
         value = getattr(obj, name)
         out[name] = value if write is None else write(value)
     return out
@@ -143,7 +144,7 @@ def _value_writer(hint: Any) -> Writer | None:
 
 # -- decode ----------------------------------------------------------------------
 
-_BY_TAG: dict[str, type] = {cls.tag: cls for cls in MESSAGE_TYPES}
+_BY_TAG: dict[str, type[Message]] = {cls.tag: cls for cls in MESSAGE_TYPES}
 
 
 def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
@@ -200,7 +201,8 @@ def _plain(hint: Any, meta: Any) -> Callable[[object], bool] | None:
 
 def _keyed(key: str, default: Any, read: Reader, plain: Callable[[object], bool] | None) -> Reader:
     def at_key(f: _Fields) -> Any:
-        if plain is not None and plain(v := f.frame.get(key, _REQUIRED)):
+        # ``f`` is always a map here: decode's frame (``_unpack`` checked it) or ``as_map``'s.
+        if plain is not None and plain(v := cast(dict, f.frame).get(key, _REQUIRED)):
             return v
         v = f.at(key, default)
         return default if v is None else read(v)
@@ -223,8 +225,8 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
         return _Fields.as_name
     if hint is Digest:
         return _Fields.as_digest
-    simple = {float: _Fields.as_float, str: _Fields.as_str, bytes: _Fields.as_bytes, Span: _Fields.as_span,
-              WireTensor: _Fields.as_tensor}
+    simple: dict[object, Reader] = {float: _Fields.as_float, str: _Fields.as_str, bytes: _Fields.as_bytes,
+                                    Span: _Fields.as_span, WireTensor: _Fields.as_tensor}
     if hint in simple:
         return simple[hint]
     if isinstance(hint, type) and issubclass(hint, IntEnum):
@@ -234,7 +236,7 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
         assert more is Ellipsis, f"only tuple[X, ...] travels, not {hint}"
         read_item = _value_reader(item)
         return lambda v: v.as_list(read_item)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a class, not an instance
         return lambda v: _read(hint, v.as_map())
     raise TypeError(f"no wire form for {hint!r}")
 
@@ -308,7 +310,7 @@ _REQUIRED: Any = object()
 _MAX_INT = 2**63 - 1
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -330,11 +332,14 @@ class _Fields:
 
     def at(self, key: str, default: Any = _REQUIRED) -> _Fields | None:
         """The value at ``key`` of this map; None when it is absent and has a default."""
-        if key not in self.frame:
+        frame = self.frame
+        if not isinstance(frame, dict):  # never: fields are read from decode's frame or as_map()'s
+            raise self._wrong("map")
+        if key not in frame:
             if default is _REQUIRED:
                 raise ProtocolError(f"{self.where}: missing field {key!r}")
             return None
-        return _Fields(self.frame[key], self.max_size, "." + key, self)
+        return _Fields(frame[key], self.max_size, "." + key, self)
 
     def _wrong(self, want: str) -> ProtocolError:
         return ProtocolError(f"{self.where}: expected {want}, got {type(self.frame).__name__}")

@@ -306,4 +306,4 @@ class ApiCancel:
 Message = (Hello | Ping | Pong | Bye | Leaving | Plan | Accept | Reject | Commit | ForwardBatch | ResultBatch | Fail | Drop
            | ApiRequest | ApiReply | ApiCancel)
 
-MESSAGE_TYPES: tuple[type, ...] = Message.__args__
+MESSAGE_TYPES: tuple[type[Message], ...] = Message.__args__

@@ -30,7 +30,7 @@ from meshd.control.placement import Candidate, Costs, place, rebalanced, replan,
 from meshd.control.runner import StageRunner
 from meshd.control.store import ModelStore
 from meshd.errors import KNOWN_ERRORS, BadRequest, NoCapacity, PeerLost
-from protocol.messages import Accept, Assignment, Commit, NodeId, Plan, Reject, RejectCode
+from protocol.messages import Accept, Assignment, Commit, Digest, ModelName, NodeId, Plan, Reject, RejectCode
 from shards.engine import StageEngine
 from shards.manifest import Manifest
 
@@ -286,8 +286,8 @@ class Leader:
                 await self._cannot_serve(NotServing.NO_ROOM, str(exc))
                 return
             log.info("planning", term=term, reason=reason)
-            plan = Plan(term, view.node_id, manifest.name, manifest.digest, assignments, sources=store.sources(),
-                        chat_template=chat_template)
+            plan = Plan(term, view.node_id, ModelName(manifest.name), Digest(manifest.digest), assignments,
+                        sources=store.sources(), chat_template=chat_template)
             log.info("plan_proposed", term=term, plan=" ".join(f"{a.node}={a.span}" for a in assignments),
                      stage_ms=" ".join(f"{ms:.2f}" for ms in stage_ms(assignments, candidates, costs)),
                      head_ms=round(costs.head_ms, 2), hop_ms=round(costs.hop_ms, 2))
@@ -484,8 +484,8 @@ class Leader:
             return view.unavailable is not None and view.unavailable.why is NotServing.NO_ROOM
 
         await view.changes.wait_for(lambda: moved() or no_room(), self.config.drain_timeout_s)
-        if moved():
-            return {"node": peer, "drained": True, "term": view.plan.term, "plan": plan_json(view.plan.assignments)}
+        if moved() and (plan := view.plan) is not None:  # (moved: there is a plan)
+            return {"node": peer, "drained": True, "term": plan.term, "plan": plan_json(plan.assignments)}
         view.draining.discard(peer)
         self.view_changed(f"drain of {peer} undone")
         raise NoCapacity(f"could not move {peer}'s span away: {view.unavailable or 'timed out'}")

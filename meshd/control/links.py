@@ -82,7 +82,7 @@ class LinkKeeper:
                 case PeerGone(node_id=node_id):
                     # Kept, to be dialled again: a goodbye heard while a cable was out, or
                     # a restart announced then, must not leave two live peers unlinked.
-                    link = self.view.links.get(node_id)
+                    link = self.view.links.get(NodeId(node_id))
                     if link is not None:  # mDNS says gone: confirm with a ping, the heartbeat decides
                         with contextlib.suppress(PeerLost):
                             await link.call_ping()
@@ -118,7 +118,7 @@ class LinkKeeper:
         self._unlinked_since.pop(oldest, None)
 
     def _dial_targets(self) -> list[tuple[str, str, int, NodeId | None]]:
-        targets = []
+        targets: list[tuple[str, str, int, NodeId | None]] = []
         now = time.monotonic()
         linked_addrs = {(link.addr, link.caps.api_port) for link in self.view.live_links().values()}
         for node_id, addrs in self.adverts.items():
@@ -134,9 +134,9 @@ class LinkKeeper:
                 for host, port in addrs:
                     targets.append((f"{node_id}@{host}:{port}", host, port, NodeId(node_id)))
         for addr in self.config.peer:
-            host, _, port = addr.rpartition(":")
-            if (host, int(port)) not in linked_addrs:
-                targets.append((addr, host, int(port), None))
+            host, _, port_text = addr.rpartition(":")
+            if (host, int(port_text)) not in linked_addrs:
+                targets.append((addr, host, int(port_text), None))
         return targets
 
     async def connect_loop(self) -> None:

@@ -41,6 +41,7 @@ from protocol.messages import (
     Pong,
     ResultBatch,
     Segment,
+    SessionId,
 )
 from shards.engine import URGENT
 from shards.wire import from_wire, to_wire
@@ -170,7 +171,7 @@ class Link:
         return from_wire(result.hidden)
 
     async def drop(self, term: int, session: str) -> None:
-        await self.send(Drop(term, session))
+        await self.send(Drop(term, SessionId(session)))
 
     async def call_ping(self) -> None:
         await self.send(Ping(next(self._ping), time.monotonic()))

@@ -216,12 +216,12 @@ async def handshake(ws: WS, me: LocalIdentity, caps: Capabilities, *, initiator:
                 await ws.send_bytes(bytes(noise.write_message(mine)))
                 channel = Channel(noise, plaintext=False, max_frame=CHUNK)
                 try:
-                    payload = channel.open(await _receive(ws))
+                    confirming = channel.open(await _receive(ws))
                 except Forged:
                     raise AuthError(_WRONG_SECRET) from None
-                if payload is None:
+                if confirming is None:
                     raise ProtocolError("the confirming Hello must be one piece")
-                theirs = _their_hello(payload, me, None)
+                theirs = _their_hello(confirming, me, None)
     except TimeoutError:
         raise AuthError(f"handshake not done within {HANDSHAKE_TIMEOUT_S:g} s") from None
     channel.plaintext = me.plaintext

@@ -10,6 +10,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeGuard, cast
 
 import aiohttp
 import structlog
@@ -83,11 +84,11 @@ class ModelStore:
         another digest never overwrites this peer's own manifest or shards."""
         check_model_name(name)
 
-        def fits(m: Manifest | None) -> bool:
+        def fits(m: Manifest | None) -> TypeGuard[Manifest]:
             return m is not None and m.name == name and (digest is None or m.digest == digest)
 
-        if fits(self.manifest):
-            return self.manifest, self.model_dir
+        if fits(self.manifest):  # its own: a manifest comes with its directory (local_model, _adopt)
+            return self.manifest, cast(Path, self.model_dir)
         for store in self._dirs(name, digest):
             if (store / MANIFEST_FILE).is_file():
                 try:

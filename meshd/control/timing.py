@@ -34,8 +34,8 @@ class StepTimes:
         # its number there, and those sums before and after it (None: a step of no lane).
         self.chain: object = None
         self.seq = 0
-        self.base: dict | None = None
-        self.sums: dict | None = None
+        self.base: dict[Key, float] | None = None
+        self.sums: dict[Key, float] | None = None
 
     def add(self, kind: str, node: str, seconds: float) -> None:
         if seconds > 0.0:

@@ -491,10 +491,10 @@ async def tokenize(request: web.Request) -> web.Response:
         raise BadRequest(f"{bad} holds a lone UTF-16 surrogate: not valid Unicode", param=bad)
     run = functools.partial(asyncio.get_running_loop().run_in_executor, _tokenize_pool())
     if request.path == "/detokenize":
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids):
+        given = body.get("tokens")
+        if not isinstance(given, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in given):
             raise BadRequest("tokens must be a list of token ids of this model", param="tokens")
-        return web.json_response({"prompt": await run(tokenizer.decode, ids)})
+        return web.json_response({"prompt": await run(tokenizer.decode, given)})
     check_prompt_size(body, context, tokenizer.max_token_chars)
     if isinstance(body.get("prompt"), str):
         special = body.get("add_special_tokens", True) is not False

@@ -34,6 +34,7 @@ import sqlite3
 import ssl
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import structlog
@@ -447,6 +448,13 @@ class BatchRunner:
     async def _feed(self, job: Job) -> None:
         """Start a task per pending line, at most ``batch_concurrency`` in flight on this peer."""
         assert self._slots is not None
+        slots = self._slots  # (a local stays narrowed in the callback below)
+
+        def line_done(task: asyncio.Task) -> None:
+            # A callback, not a finally: a task cancelled before it ran never runs one.
+            job.tasks.discard(task)
+            slots.release()
+
         after = 0
         async with asyncio.TaskGroup() as tg:
             while not self._stopped(job):
@@ -461,8 +469,7 @@ class BatchRunner:
                     after = line.idx
                     task = tg.create_task(self._line(job, line))
                     job.tasks.add(task)
-                    # A callback, not a finally: a task cancelled before it ran never runs one.
-                    task.add_done_callback(lambda t: (job.tasks.discard(t), self._slots.release()))
+                    task.add_done_callback(line_done)
         if job.expired and not (job.cancelled or self.stopping):
             log.warning("batch_expired", batch=job.id, done=job.completed + job.failed, total=job.total)
 
@@ -531,7 +538,7 @@ class BatchRunner:
 
 def _replica_head(job: Job, batch: dict | None) -> dict:
     """What a replica call says of the batch: all of it in a snapshot, its status otherwise."""
-    head = {"id": job.id, "status": str(job.status)}
+    head: dict[str, Any] = {"id": job.id, "status": str(job.status)}
     if batch is not None:
         head |= {k: batch[k] for k in ("input_file_id", "endpoint", "completion_window", "created_at", "expires_at",
                                        "in_progress_at", "owner", "runnable", "total")}
@@ -541,7 +548,9 @@ def _replica_head(job: Job, batch: dict | None) -> dict:
 
 def _parts(items: list) -> list[list]:
     """``items`` cut into lists of at most about ``SYNC_BYTES`` of JSON each."""
-    parts, part, size = [], [], 0
+    parts: list[list] = []
+    part: list = []
+    size = 0
     for item in items:
         n = len(json.dumps(item, separators=(",", ":")))
         if part and size + n > SYNC_BYTES:
@@ -579,7 +588,7 @@ def _list(value: object, what: str) -> list:
 def _checked_head(head: object) -> dict:
     if not isinstance(head, dict):
         raise ValueError("batch must be an object")
-    out = {"id": _checked(head.get("id"), _BATCH_ID, "batch id")}
+    out: dict[str, Any] = {"id": _checked(head.get("id"), _BATCH_ID, "batch id")}
     if head.get("status") not in (Status.IN_PROGRESS, Status.CANCELLING, Status.FINALIZING):
         raise ValueError("status must be in_progress, cancelling or finalizing")
     out["status"] = Status(head["status"])

@@ -240,13 +240,14 @@ async def create_batch(request: web.Request) -> web.Response:
         raise BadRequest(f"endpoint {endpoint!r} is not supported: one of {', '.join(ENDPOINTS)}", param="endpoint")
     window = body.get("completion_window")
     hours = WINDOW.match(window) if isinstance(window, str) else None
-    if hours is None or int(hours.group(1)) > MAX_WINDOW_H:
+    if not isinstance(window, str) or hours is None or int(hours.group(1)) > MAX_WINDOW_H:
         raise BadRequest(f'completion_window must be "24h" (or any whole hours up to {MAX_WINDOW_H}h)',
                          param="completion_window")
     file_id = body.get("input_file_id")
     row = await runner.store.do(runner.store.get_file, file_id) if isinstance(file_id, str) else None
     owner = _owner(request)
-    if row is None or not owner.sees(row) or row["kind"] != "input" or row["purpose"] != "batch":
+    if (row is None or not isinstance(file_id, str) or not owner.sees(row) or row["kind"] != "input"
+            or row["purpose"] != "batch"):
         raise BadRequest(f"input_file_id {file_id!r} is not a file uploaded with purpose=batch on this peer",
                          param="input_file_id")
     batch = await runner.submit(file_id, endpoint, window, int(hours.group(1)) * 3600, _metadata(body.get("metadata")),
@@ -281,8 +282,11 @@ async def cancel_batch(request: web.Request) -> web.Response:
     runner, row = await _batch(request)
     if Status(row["status"]) in TERMINAL:
         raise BadRequest(f"batch {row['id']} is already {row['status']}", 409, param="batch_id")
-    row = await runner.cancel(row["id"])
-    return web.json_response(batch_json(row, request.app[NODE].model_name, runner))
+    cancelled = await runner.cancel(row["id"])
+    if cancelled is None:  # a replica, released by its home meanwhile: as if it were not there (as _batch)
+        raise BadRequest(f"no batch {row['id']} on this peer (a batch lives on the peer it was submitted to)", 404,
+                         param="batch_id")
+    return web.json_response(batch_json(cancelled, request.app[NODE].model_name, runner))
 
 
 def add_routes(app: web.Application) -> None:

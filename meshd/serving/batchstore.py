@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from meshd.errors import StorageFull
 
@@ -244,10 +244,11 @@ class BatchStore:
                              "VALUES (?, ?, ?, ?, ?, 'input', zeroblob(?), ?)",
                              (file_id, purpose, filename, size, now, size, owner))
             if size:
-                with db.blobopen("files", "data", cur.lastrowid) as blob:
+                rowid = cast(int, cur.lastrowid)  # set: the INSERT just made the row
+                with db.blobopen("files", "data", rowid) as blob:
                     while chunk := src.read(BLOB_CHUNK):
                         blob.write(chunk)
-        return self.get_file(file_id)
+        return cast(dict, self.get_file(file_id))  # there: just written, on this thread
 
     def get_file(self, file_id: str) -> dict | None:
         row = self.db.execute("SELECT id, purpose, filename, bytes, created_at, kind, batch_id, owner FROM files "
@@ -258,7 +259,8 @@ class BatchStore:
                    owner: Owner | None = None) -> list[dict]:
         """A page of the files ``owner`` sees (None: all)."""
         order = "DESC" if newest_first else "ASC"
-        where, args = [], []
+        where: list[str] = []
+        args: list[object] = []
         if owner is not None:
             cond, values = owner.where()
             where.append(cond)
@@ -316,15 +318,21 @@ class BatchStore:
                        "created_at, expires_at, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (batch_id, input_file_id, endpoint, window, json.dumps(metadata) if metadata else None,
                         Status.VALIDATING, int(time.time()), expires_at, owner))
-        return self.get_batch(batch_id)
+        return self._own_batch(batch_id)
 
     def get_batch(self, batch_id: str) -> dict | None:
         row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return dict(row) if row else None
 
+    def _own_batch(self, batch_id: str) -> dict:
+        """A batch of this peer's own (home NULL) that it just wrote or runs: there, since only
+        replicas are ever deleted."""
+        return cast(dict, self.get_batch(batch_id))
+
     def list_batches(self, limit: int, after: str | None, owner: Owner | None = None) -> list[dict]:
         """A page of this peer's own batches that ``owner`` sees (None: all), newest first."""
-        where, args = ["home IS NULL"], []
+        where: list[str] = ["home IS NULL"]
+        args: list[object] = []
         if owner is not None:
             cond, values = owner.where()
             where.append(cond)
@@ -342,7 +350,9 @@ class BatchStore:
                                f"({','.join('?' * len(TERMINAL))}) ORDER BY rowid", tuple(TERMINAL))
         return [dict(r) for r in rows]
 
-    def set_status(self, batch_id: str, status: Status, errors: list[dict] | None = None) -> dict:
+    def set_status(self, batch_id: str, status: Status, errors: list[dict] | None = None) -> dict | None:
+        """The batch with its new status; None where it is not here (a cancel through the API
+        may name a replica, which its home can release meanwhile)."""
         stamp = STAMP.get(status)
         with self._tx() as db:
             db.execute(f"UPDATE batches SET status = ?{f', {stamp} = ?' if stamp else ''}"
@@ -368,7 +378,7 @@ class BatchStore:
                        "status = CASE status WHEN ? THEN status ELSE ? END WHERE id = ?",
                        (len(lines) + len(malformed), inserted, int(time.time()), Status.CANCELLING,
                         Status.IN_PROGRESS, batch_id))
-        return self.get_batch(batch_id)
+        return self._own_batch(batch_id)
 
     def pending_lines(self, batch_id: str, after_idx: int, limit: int) -> list[Line]:
         """Lines with no result yet, in order, after ``after_idx``."""
@@ -414,7 +424,7 @@ class BatchStore:
                        f"{', errors = ?' if errors is not None else ''} WHERE id = ?",
                        (status, now, ids["output"], ids["error"],
                         *([json.dumps(errors)] if errors is not None else []), batch_id))
-        return self.get_batch(batch_id)
+        return self._own_batch(batch_id)
 
     # -- replicas: another peer's batches, kept here in case that peer is lost for good ----
 
@@ -423,7 +433,7 @@ class BatchStore:
         store's thread, so the counts are those of exactly these results)."""
         rows = self.db.execute("SELECT idx, ok, record FROM results WHERE batch_id = ? ORDER BY idx", (batch_id,))
         results = [(r["idx"], bool(r["ok"]), r["record"]) for r in rows]
-        batch = self.get_batch(batch_id)
+        batch = self._own_batch(batch_id)
         batch["runnable"] = self.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()[0]
         return batch, results
 

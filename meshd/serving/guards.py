@@ -117,7 +117,7 @@ def local_caller(request: web.Request) -> bool:
         ip = ipaddress.ip_address(peer[0])
     except ValueError:
         return False
-    if getattr(ip, "ipv4_mapped", None) is not None:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback or (bool(sock) and ipaddress.ip_address(sock[0]) == ipaddress.ip_address(peer[0]))
 

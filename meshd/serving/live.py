@@ -15,6 +15,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
+from typing import cast
 
 from meshd.control.mesh import MeshView
 from meshd.control.timing import HOP, STAGE, WAIT, Totals
@@ -86,7 +87,7 @@ class LiveFeed:
         nodes = [a.node for a in view.plan.assignments] if view.plan is not None else []
         nodes += [pid for pid in sorted(view.links) if pid not in nodes]
         before_s, before_c = (last[2], last[3]) if last is not None else ({}, {})
-        out = {}
+        out: dict[str, dict] = {}
         for node in nodes:
             n = calls.get(node, 0) - before_c.get(node, 0)
             spent = {kind: seconds.get((kind, node), 0.0) - before_s.get((kind, node), 0.0)
@@ -117,7 +118,8 @@ class LiveFeed:
             peers.append({"id": pid, "name": link.hello.name, "layers": view.span_of(pid), "role": view.role(pid)})
         return {
             "node": view.node_id, "source": view.node_id, "supernode": view.supernode,
-            "interval_s": self.interval_s, "window_s": int(self.samples.maxlen * self.interval_s),
+            # (``samples`` is made with a maxlen: the window)
+            "interval_s": self.interval_s, "window_s": int(cast(int, self.samples.maxlen) * self.interval_s),
             "seq": self.seq, "samples": self.since(since), "peers": peers,
             "plan": [a.node for a in view.plan.assignments] if view.plan is not None else [],
             "batches": [b | {"peer": view.node_id} for b in self.batches()],

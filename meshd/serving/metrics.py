@@ -12,7 +12,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -102,7 +102,7 @@ class NodeMetrics:
 
     # -- events ----------------------------------------------------------------------
 
-    async def observe(self, chunks: AsyncIterator) -> AsyncIterator:
+    async def observe(self, chunks: AsyncGenerator) -> AsyncIterator:
         """Pass a scheduler's chunks through, timing the first token and the gaps after it."""
         start = last = time.monotonic()
         first = True

@@ -42,8 +42,8 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"
 # Fields with no effect on the answer (who asks, caching hints), or accepted at their
 # no-op value only: anything else asks for something meshd does not do.
 _INERT_ANY = {"user", "safety_identifier", "prompt_cache_key"}
-_INERT_VALUES = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
-                 "metadata": ({},)}
+_INERT_VALUES: dict[str, tuple[object, ...]] = {"store": (False,), "service_tier": ("auto", "default"),
+                                                "modalities": (["text"],), "metadata": ({},)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +256,7 @@ def _tools(body: dict, template) -> ToolSpec | None:
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} functions", param="tools")
-    clean = []
+    clean: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -420,7 +420,7 @@ def parse_request(
                 raise BadRequest(f"tools: a parameters schema is not usable: {exc}", param="tools") from None
         if grammar_text is not None:  # built here, off the event loop; a generation copies it
             grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format", tokenizer)
-        prompts = (tuple(_chat_ids(tokenizer, messages, tools, context)),)
+        prompts: tuple[tuple[int, ...], ...] = (tuple(_chat_ids(tokenizer, messages, tools, context)),)
     else:
         prompts, texts = _prompts(body, tokenizer)
         if body.get("suffix") not in (None, ""):
@@ -498,7 +498,7 @@ def _resumes(body: dict, choices: int, vocab_size: int) -> tuple[tuple[tuple[int
 
     raw = body.get("meshd_resume") or []
     if ids(raw) and (choices == 1 or not raw):
-        resumes = (tuple(raw),) if raw else ()
+        resumes: tuple[tuple[int, ...], ...] = (tuple(raw),) if raw else ()
     elif isinstance(raw, list) and len(raw) == choices and all(ids(v) for v in raw):
         resumes = tuple(tuple(v) for v in raw)
     else:

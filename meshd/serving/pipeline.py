@@ -18,6 +18,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import structlog
 import torch
@@ -26,8 +27,11 @@ from meshd.control.runner import LocalRunner, StageRunner
 from meshd.control.timing import SAMPLE, STEP_TIMES, StepTimes, Totals
 from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
-from shards.engine import Score
+from shards.engine import Score, StageEngine
 from shards.sampling import prompt_scores
+
+if TYPE_CHECKING:  # the scheduler imports this module
+    from meshd.serving.scheduler import Session
 
 log = structlog.get_logger()
 
@@ -42,6 +46,16 @@ MIN_WAVE_CHUNK = 64
 MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
 
 
+class Pick(Protocol):
+    """A session's next token from its logits [V] (``scheduler._pick``); ``after``: the
+    drafted tokens taken before this row in the same step."""
+
+    def __call__(self, session: Session, logits: torch.Tensor, after: list[int] | None = None, /) -> int: ...
+
+
+_R = TypeVar("_R")
+
+
 @dataclass(frozen=True, slots=True)
 class ActivePlan:
     term: int
@@ -51,7 +65,7 @@ class ActivePlan:
 
 
 class Pipeline:
-    def __init__(self, head_engine_fn: Callable[[], object], wait_s: float = 30.0,
+    def __init__(self, head_engine_fn: Callable[[], StageEngine | None], wait_s: float = 30.0,
                  on_stage_failed: Callable[[str], None] | None = None, node: str = ""):
         self.on_stage_failed = on_stage_failed
         self.node = node  # this peer's id: its head work in a step's times
@@ -119,8 +133,8 @@ class Pipeline:
         return (f"a step failed under plan term {newer_than} ({self._failed}) and no new plan came "
                 f"within {self._wait_s:.0f} s")
 
-    async def step(self, sessions: list, pick: Callable[[object, torch.Tensor], int],
-                   times: StepTimes | None = None) -> dict[str, int | None]:
+    async def step(self, sessions: list, pick: Pick,
+                   times: StepTimes | None = None) -> dict[str, int | list[int] | None]:
         """One forward of a batch through the plan: each session contributes the
         rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
         per session its next token, ``pick(session, logits [V])`` (run on the engine's
@@ -146,7 +160,7 @@ class Pipeline:
             times.ended = time.monotonic()
             self.totals.add(times)
 
-    async def _step(self, sessions: list, pick: Callable[[object, torch.Tensor], int]) -> dict[str, int | None]:
+    async def _step(self, sessions: list, pick: Pick) -> dict[str, int | list[int] | None]:
         failed_term: int | None = None
         attempts = 0
         while True:
@@ -259,8 +273,8 @@ class Pipeline:
         log.info("prefill_pipelined", session=s.id, tokens=end - start, chunks=len(chunks),
                  stages=len(runners))
 
-    async def _run_waves(self, plan: ActivePlan, work: list, engine,
-                         pick: Callable[[object, torch.Tensor], int]) -> dict[str, int]:
+    async def _run_waves(self, plan: ActivePlan, work: list, engine: StageEngine,
+                         pick: Pick) -> dict[str, int | list[int]]:
         """The step's rows through the plan, and the head's pick for each session whose last
         token they hold. Many rows over several stages (a burst of new sessions' prompts in
         the first-token lane) go as a wave of session groups, group k+1 at stage A while
@@ -271,7 +285,7 @@ class Pipeline:
         a group that finished before a sibling lost a peer must not have picked, or the step's
         replay would pick for it twice."""
 
-        def finishing(group: list) -> list[tuple[object, int]]:
+        def finishing(group: list) -> list[tuple[Session, int]]:
             # The sessions whose last token (and draft) this group runs, and the rows of them.
             done, rows_at = [], 0
             for s, start, rows in group:
@@ -305,11 +319,12 @@ class Pipeline:
         self._sampled(began)
         return {s.id: token for (s, _), token in zip((d for done, _ in finished for d in done), picked)}
 
-    async def _run(self, plan: ActivePlan, work: list, engine, rows: list[int],
-                   pick_rows: Callable[[torch.Tensor], list[int]], score: Score | None = None) -> list[int]:
+    async def _run(self, plan: ActivePlan, work: list, engine: StageEngine, rows: list[int],
+                   pick_rows: Callable[[torch.Tensor], _R], score: Score | None = None) -> _R | list[Any]:
         """The rows of ``work`` embedded and through every span in order, then the head on
         ``rows`` of the last span's output and ``pick_rows`` of their logits (none where
-        ``rows`` is empty), and on ``score``'s rows (prompt logprobs) before them. Where the first or last span is the supernode's own, the embed
+        ``rows`` is empty), and on ``score``'s rows (prompt logprobs) before them; ``[]`` where
+        there are neither. Where the first or last span is the supernode's own, the embed
         or the head goes in the same engine call as that span (``LocalRunner.step``)."""
         tokens = [t for s, start, n in work for t in _rows_of(s, start, n)]
         segments = [Segment(s.kv, start, n) for s, start, n in work]
@@ -318,32 +333,32 @@ class Pipeline:
             if (runner := plan.runners.get(a.node)) is None:
                 raise PeerLost(f"no link to {a.node}")
             runners.append(runner)
-        hidden = None
+        hidden: torch.Tensor | None = None  # set at i == 0: embedded, or by the local step
         for i, runner in enumerate(runners):
-            local = isinstance(runner, LocalRunner) and runner.chains(engine)
-            embeds = local and i == 0
-            heads = local and i == len(runners) - 1 and bool(rows or score)
+            local = runner if isinstance(runner, LocalRunner) and runner.chains(engine) else None
+            embeds = local is not None and i == 0
+            heads = local is not None and i == len(runners) - 1 and bool(rows or score)
             if i == 0 and not embeds:
                 hidden = await self._embed(engine, tokens)
-            if embeds or heads:
-                out = await runner.step(plan.term, segments, tokens if embeds else None, None if embeds else hidden,
-                                        rows if heads else None, pick_rows if heads else None,
-                                        score if heads else None)
+            if local is not None and (embeds or heads):
+                out = await local.step(plan.term, segments, tokens if embeds else None, None if embeds else hidden,
+                                       rows if heads else None, pick_rows if heads else None,
+                                       score if heads else None)
                 if heads:
                     return out  # the head ran in that same call: a later change of plan cannot undo it
                 hidden = out
             else:
-                hidden = await runner.forward_batch(plan.term, segments, hidden)
+                hidden = await runner.forward_batch(plan.term, segments, cast(torch.Tensor, hidden))
         if self._head_engine() is not engine:
             raise PeerLost("the head changed during the step (the plan moved)")
         if not rows and score is None:
             return []
         began = time.monotonic()
-        out = await engine.head_then(hidden, rows, pick_rows, score)
+        out = await engine.head_then(cast(torch.Tensor, hidden), rows, pick_rows, score)
         self._sampled(began)
         return out
 
-    async def _embed(self, engine, tokens: list[int]) -> torch.Tensor:
+    async def _embed(self, engine: StageEngine, tokens: list[int]) -> torch.Tensor:
         began = time.monotonic()
         hidden = await engine.embed(tokens)
         self._sampled(began)

@@ -116,9 +116,10 @@ class PrefixCache:
         self._entries[key] = entry
         self.tokens += len(tokens)
         self.held += entry.held
-        evicted = []
+        evicted: list[str] = []
         while len(self._entries) > self.max_entries:
-            evicted.append(self.evict_one())
+            if (gone := self.evict_one()) is not None:  # always: there are entries past max_entries
+                evicted.append(gone)
         return evicted
 
     def evict_one(self, keep: str | None = None) -> str | None:

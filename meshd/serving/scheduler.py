@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import cast
 
 import structlog
 import torch
@@ -29,7 +30,7 @@ from meshd.serving.drafter import DraftModel
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
-from meshd.serving.traces import Chain
+from meshd.serving.traces import Chain, Trace
 from shards.engine import URGENT
 from shards.errors import InvalidParams
 from shards.grammar import Constraint
@@ -105,7 +106,7 @@ class Session:
     # the pipeline's head as the prompt's rows pass; None where not asked for.
     prompt_scores: dict[int, TokenLogprobs] | None = None
     streamed: bool = False
-    trace: object = None  # its request's timeline (serving/traces.py), on a request's first choice
+    trace: Trace | None = None  # its request's timeline (serving/traces.py), on a request's first choice
     # Speculative decoding: where its drafts come from (None: it does not speculate), and
     # the tokens drafted for the next step, checked in it beside its decode row.
     lookup: PromptLookup | None = None
@@ -255,9 +256,9 @@ class Scheduler:
                 if s.trace is not None:
                     s.trace.stepped(times, got is not None)
                 drafted, by_model, s.draft, s.draft_by_model = s.draft, s.draft_by_model, [], False
-                guess = s.lookup.guess if s.lookup is not None else None
-                if guess is not None:
-                    s.lookup.guess = None
+                guess = None
+                if s.lookup is not None:
+                    guess, s.lookup.guess = s.lookup.guess, None
                 if got is None or s.finished:
                     continue
                 if s.params.max_tokens == 0:  # only the prompt's logprobs were asked for: they are in
@@ -266,7 +267,7 @@ class Scheduler:
                 tokens = got if isinstance(got, list) else [got]
                 if drafted and isinstance(got, list):
                     self._taken(s, len(drafted), len(got) - 1, by_model)
-                elif guess is not None:
+                elif guess is not None and s.lookup is not None:  # (a guess is its lookup's)
                     s.lookup.held_back(guess, tokens[0])
                 for token in tokens:  # one, or a checked draft's: each as a step of its own would give it
                     if token in s.eos and not s.params.ignore_eos:
@@ -346,8 +347,8 @@ class Scheduler:
             task.add_done_callback(self._background.discard)
 
     def _taken(self, s: Session, drafted: int, accepted: int, by_model: bool) -> None:
-        if not by_model:
-            s.lookup.taken(drafted, accepted)
+        if not by_model:  # prompt lookup's draft: the session has its lookup
+            cast(PromptLookup, s.lookup).taken(drafted, accepted)
         elif self.drafter is not None:
             self.drafter.acceptance.taken(drafted, accepted)
         self.drafted += drafted
@@ -406,11 +407,14 @@ class Scheduler:
                 raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
                                  f"{budget} positions); retry shortly")
             taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
-            evicted = []
+            evicted: list[str] = []
             while self.reserved_tokens + self.prefix.held - taken + need > budget:
-                evicted.append(self.prefix.evict_one(keep=hit.key if hit is not None else None))
+                # Always a key: with every entry but ``hit`` gone the checks above leave room.
+                if (gone := self.prefix.evict_one(keep=hit.key if hit is not None else None)) is not None:
+                    evicted.append(gone)
             self._drop_later(evicted)
         if hit is not None:
+            assert plan is not None  # a hit is found only under a plan
             self.prefix.take(hit)
             session.kv, session.cached, session.term, session.kv_peak = hit.key, hit.reuse, plan.term, hit.held
             log.info("prefix_cache_hit", reused=hit.reuse, tokens=len(session.tokens))
@@ -519,7 +523,7 @@ class Scheduler:
 
     def open(self, prompt_ids: list[int], params: SamplingParams, history: list[int] | None = None,
              priority: Priority = Priority.INTERACTIVE, client: str | None = None, request: object = None,
-             trace: object = None) -> Session:
+             trace: Trace | None = None) -> Session:
         """Admit one generation (NoCapacity when the KV budget is full, before any answer
         went out); ``history`` resumes one whose first tokens were already produced (a
         resubmission after a supernode loss). Stream it with ``stream``, or ``close`` it.
@@ -583,7 +587,7 @@ class Scheduler:
         async for chunk in self.stream(session, usage):
             yield chunk
 
-    async def stream(self, session: Session, usage: Usage | None = None) -> AsyncIterator[Chunk]:
+    async def stream(self, session: Session, usage: Usage | None = None) -> AsyncGenerator[Chunk, None]:
         """The chunks of an opened session; it is given back when this ends, however it ends."""
         assert self.tokenizer is not None
         session.streamed = True
@@ -607,7 +611,8 @@ class Scheduler:
                 item = await session.out.get()
                 if item is None:
                     # The lane ended it: EOS, or max_tokens reached (or its grammar hit a limit).
-                    if (why := getattr(session.sampler.mask, "error", None)) is not None:
+                    sampler = cast(Sampler, session.sampler)  # ``open`` gives every session one
+                    if (why := getattr(sampler.mask, "error", None)) is not None:
                         raise InvalidParams(f"response_format: the grammar hit a limit mid-answer: {why}",
                                             param="response_format")
                     finish = "stop" if delivered < params.max_tokens else "length"
@@ -664,7 +669,8 @@ def _pick(session: Session, logits: torch.Tensor, after: list[int] | None = None
     """The session's next token from its logits (on the engine's thread): bias, penalties
     and grammar mask applied, its log-probabilities kept where asked for. ``after``: the
     drafted tokens taken before this row in the same step (as if they were generated)."""
-    sampler, at = session.sampler, len(session.generated) + len(after or ())
+    # ``open`` gives every session a sampler (the hot path: a cast, not a check)
+    sampler, at = cast(Sampler, session.sampler), len(session.generated) + len(after or ())
     history = session.tokens + after if after else session.tokens
     token = sampler.next(logits, at, history, session.prompt_len)
     if sampler.last is not None:

@@ -253,8 +253,10 @@ class CallParser:
         text = text.removeprefix(_MISTRAL_TAG)
         value, rest = _json_prefix(text)
         if isinstance(value, list) and not rest.strip():
-            calls = [_call_from(v, "arguments") for v in value]
-            return None if any(c is None for c in calls) or not calls else calls
+            found = [_call_from(v, "arguments") for v in value]
+            if any(c is None for c in found) or not found:
+                return None
+            return [c for c in found if c is not None]  # (every one of them)
         calls = []  # v11: name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         for part in text.split(_MISTRAL_TAG):
             name, sep, args = part.partition(_MISTRAL_ARGS)

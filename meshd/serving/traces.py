@@ -35,6 +35,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from meshd.control.timing import HOP, SAMPLE, STAGE, WAIT, Key, StepTimes
@@ -119,7 +120,7 @@ class Trace:
         self.prefill: dict[Key, float] = {}  # (kind, node) -> seconds, until the first token
         self.decode: dict[Key, float] = {}  # and after it
         self.last_end = 0.0  # end of the last step added up (or admission)
-        self.run_base: dict | None = None  # the chain's sums before the run of steps it rides now
+        self.run_base: dict[Key, float] | None = None  # the chain's sums before the run of steps it rides now
         self.run_last: StepTimes | None = None  # the last step of that run
         self.overlap = 0.0
         self.sessions: list = []  # its choices' sessions, for the token counts
@@ -170,6 +171,7 @@ class Trace:
         if last is None:
             return
         base = self.run_base or {}
+        assert last.sums is not None  # run_last is always a lane's step: Chain.link gave it sums
         for key, total in last.sums.items():
             self._add(*key, total - base.get(key, 0.0), prefill)
         self.last_end = max(self.last_end, last.ended)
@@ -221,11 +223,11 @@ class Trace:
         """The timeline: phases in the order a request meets them (stages in plan order:
         ``order(node)``), each with its prefill and decode seconds."""
         self._close_run(self.first_token is None)  # a running request: what it has so far (a new run follows)
-        phases = []
+        phases: list[dict[str, Any]] = []
         for kind, node in {**self.prefill, **self.decode}:
             pre, dec = self.prefill.get((kind, node), 0.0), self.decode.get((kind, node), 0.0)
-            phase = {"kind": kind, "peer": node, "prefill_ms": round(pre * 1000, 3),
-                     "decode_ms": round(dec * 1000, 3), "ms": round((pre + dec) * 1000, 3)}
+            phase: dict[str, Any] = {"kind": kind, "peer": node, "prefill_ms": round(pre * 1000, 3),
+                                     "decode_ms": round(dec * 1000, 3), "ms": round((pre + dec) * 1000, 3)}
             if kind in PER_STAGE:
                 phase["layers"] = layers(node)
             phases.append(phase)
@@ -317,8 +319,8 @@ class TraceStore:
         for trace in reversed(self.active.values()):
             if key in (trace.request_id, trace.ctx.trace_id):
                 return trace
-        if (trace := self.finished.get(key)) is not None:
-            return trace
+        if (found := self.finished.get(key)) is not None:
+            return found
         return next((t for t in reversed(self.finished.values()) if t.ctx.trace_id == key), None)
 
     def recent(self, n: int = 20) -> list[dict]:

@@ -63,11 +63,12 @@ def fetch_status(base: str) -> dict:
 def human_bytes(n: int | None) -> str:
     if not n:
         return "-"
+    size: float = n  # in ``unit``s
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(size)
 
 
 def used_of(used: int | None, total: int | None) -> str:

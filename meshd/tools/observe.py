@@ -22,6 +22,7 @@ import tty
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Any
 
 from meshd.tools.client import Unreachable, base_url, render_table
 
@@ -64,7 +65,9 @@ def _ms(v: float | None, digits: int = 2) -> str:
 
 
 def format_trace(t: dict, names: dict[str, str]) -> str:
-    name = lambda node: names.get(node, node) if node else "-"  # noqa: E731
+    def name(node: str | None) -> str:
+        return names.get(node, node) if node else "-"
+
     where = (f"entry {name(t['entry'])} -> " if t.get("entry") else "") + f"supernode {name(t.get('supernode'))}"
     head = (f"request {t['request_id']}  trace {t['trace_id']}  status {t.get('status') or t.get('state')}\n"
             f"{where}  wall {t['wall_ms']:.1f} ms  first token {_ms(t.get('ttft_ms'), 1)} ms  "
@@ -131,7 +134,10 @@ def format_top(live: dict, samples: list[dict], width: int, when: str) -> str:
     """One frame: the latest sample's figures with the last minute as sparklines, the
     peers of the plan, batch jobs, recent requests."""
     names = {p["id"]: p.get("name") or p["id"] for p in live.get("peers", [])}
-    name = lambda node: names.get(node, node)  # noqa: E731
+
+    def name(node: Any) -> str:  # a node id of the /live answer (JSON)
+        return names.get(node, node)
+
     cur = samples[-1] if samples else {}
     source = live.get("source")
     lines = [f"meshd top  {when}  peer {name(live.get('node'))}"

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 from meshd.config import Config
 
@@ -120,13 +121,18 @@ def stop_timeout_s(drain_timeout_s: float) -> int:
     return int(DRAIN_WAITS * drain_timeout_s + STOP_MARGIN_S)
 
 
+def _default_drain_s() -> float:
+    """Config's default drain_timeout_s (a field with a plain default, not a factory)."""
+    return cast(float, Config.__dataclass_fields__["drain_timeout_s"].default)
+
+
 def render_unit(exec_path: str = DEFAULT_EXEC, drain_timeout_s: float | None = None) -> str:
-    drain = Config.__dataclass_fields__["drain_timeout_s"].default if drain_timeout_s is None else drain_timeout_s
+    drain = _default_drain_s() if drain_timeout_s is None else drain_timeout_s
     return UNIT.format(exec=exec_path, drain=drain, drain_waits=DRAIN_WAITS, stop=stop_timeout_s(drain))
 
 
 def render_config(drain_timeout_s: float | None = None) -> str:
-    drain = Config.__dataclass_fields__["drain_timeout_s"].default if drain_timeout_s is None else drain_timeout_s
+    drain = _default_drain_s() if drain_timeout_s is None else drain_timeout_s
     return CONFIG.format(drain=drain, drain_waits=DRAIN_WAITS)
 
 
