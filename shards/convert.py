@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import cast
 
 import structlog
 import torch
@@ -109,8 +110,9 @@ def convert(src: Path, out: Path, dtype: str | None = None, name: str | None = N
         if up_to_date(out, name, label, qspec):
             log.info("convert_skipped", out=str(out), model=name)
             return out
+    # Shipped as is only from a GGUF file (``is_gguf`` above), so then a GGUFSource.
     if shipped:
-        label = source.file_type
+        label = cast(GGUFSource, source).file_type
     out.mkdir(parents=True, exist_ok=True)
     # Whatever manifest was there no longer describes the files about to be written.
     (out / MANIFEST_FILE).unlink(missing_ok=True)
@@ -123,7 +125,7 @@ def convert(src: Path, out: Path, dtype: str | None = None, name: str | None = N
     bar = tqdm(total=cfg.n_layers + 1, desc=f"convert {name}", unit="shard", disable=not progress)
     with bar:
         if shipped:
-            embed, recs = source.embed_as_shipped()
+            embed, recs = cast(GGUFSource, source).embed_as_shipped()
         else:
             embed = source.embed_tensors()
             _check_shapes(embed, cfg, None)
@@ -141,7 +143,7 @@ def convert(src: Path, out: Path, dtype: str | None = None, name: str | None = N
         for i in range(cfg.n_layers):
             recs = {}
             if shipped:
-                layer, recs = source.layer_as_shipped(i)
+                layer, recs = cast(GGUFSource, source).layer_as_shipped(i)
             elif spec is None:
                 layer = source.layer_tensors(i)
             else:
@@ -154,7 +156,8 @@ def convert(src: Path, out: Path, dtype: str | None = None, name: str | None = N
             bar.update(1)
     if qspec is not None:
         qspec["tensors"] = {k: r.to_dict() for k, r in sorted(records.items())}
-    manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=label,
+    # (label is None only until a shipped file's type is read, above)
+    manifest = Manifest(name=name, architecture=source.architecture, config=cfg, dtype=cast(str, label),
                         files=files, chat_template=source.chat_template, quant=qspec,
                         special_tokens=source.special_tokens or None)
     manifest.write(out)

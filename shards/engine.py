@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import structlog
 import torch
@@ -417,7 +417,8 @@ class StageEngine:
             raise ModelError("a step needs tokens to embed or a hidden state")
 
         def chain() -> tuple[Tensor | R, float]:
-            x = self._embed(tokens) if tokens is not None else hidden.to(self.device, self.dtype)
+            # (hidden is there where tokens are not: checked above)
+            x = self._embed(tokens) if tokens is not None else cast(Tensor, hidden).to(self.device, self.dtype)
             x, seconds = self._timed(segments, x)
             if rows is None or fn is None:
                 return x.cpu(), seconds
@@ -491,7 +492,7 @@ def measure_layer_ms(target: StageEngine | ModelConfig, device: str = "auto", dt
     with a bare config (a peer joining before any weights are loaded), a random layer.
     """
     if isinstance(target, StageEngine) and target.span is not None:
-        block = target.stage.layers[str(target.span.start)]
+        block = target.stage.layer(target.span.start)
         cfg, dev, dt = target.config, target.device, target.dtype
         lib = target.stage.rowops
         return target.run_sync(lambda: _time_block(block, cfg, dev, dt, budget_s, context, batch, lib))
@@ -544,7 +545,7 @@ def _low_ms(fn: Callable[[], object], dev: torch.device, budget_s: float, most: 
     at batch 8 read 6-10 ms by median wall time and 1.9-2.3 ms by the 10th percentile (1.6-1.9
     quiet); the head (15 ms, longer than a time slice) read 26-35 ms even so: hence CPU time."""
     clock = time.thread_time if dev.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
-    times = []
+    times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while time.perf_counter() < deadline or len(times) < 3:
         _sync(dev)
@@ -585,7 +586,7 @@ def measure_parts(model_dir: Path, device: str = "auto", dtype: str | torch.dtyp
     dt = pick_dtype(dtype, dev)
     stage, manifest = load_stage(model_dir, Span(0, 1), embed=True, head=True, device=dev, dtype=dt, verify=False)
     cfg = manifest.config
-    block = stage.layers["0"]
+    block = stage.layer(0)
     with torch.inference_mode():
         # through the forward the stage serves with (shards/rowops.py where it runs): the
         # torch forward read a SmolLM2 layer 1.3-1.6x slower, which gave a supernode that

@@ -121,8 +121,8 @@ def _q8_0(b):
 
 def _k_scales(s: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """12 bytes -> eight 6-bit scales and eight 6-bit mins (llama.cpp's get_scale_min_k4)."""
-    s = torch.from_numpy(s.copy())
-    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    t = torch.from_numpy(s.copy())
+    lo, hi, mix = t[..., 0:4], t[..., 4:8], t[..., 8:12]
     sc = torch.cat((lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)), dim=-1)
     mn = torch.cat((hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)), dim=-1)
     return sc, mn

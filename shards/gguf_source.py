@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ class FastGGUFReader(GGUFReader):
         if sub != GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
         raw = self.data.view(np.ndarray)  # plain views: slicing a memmap costs microseconds each
-        view = memoryview(raw)
+        view = memoryview(raw)  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
         parts: list = [itype, alen]
         for _ in range(n):
             (slen,) = struct.unpack_from("<Q", view, offs)
@@ -110,7 +111,7 @@ def check_sizes(meta: GGUFMeta) -> None:
         if bad is not None:
             raise ModelError(f"{meta.name}: GGUF metadata {meta.arch}.{key}={bad!r} is out of range "
                              f"(an integer in 1..{hi})")
-    n_tokens = len(meta.fields.get("tokenizer.ggml.tokens") or ())
+    n_tokens = len(cast("Sequence[str]", meta.fields.get("tokenizer.ggml.tokens") or ()))
     if n_tokens > SIZE_BOUNDS["vocab_size"]:
         raise ModelError(f"{meta.name}: GGUF tokenizer.ggml.tokens has {n_tokens} tokens "
                          f"(at most {SIZE_BOUNDS['vocab_size']})")

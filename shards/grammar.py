@@ -29,6 +29,7 @@ import collections
 import functools
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -167,14 +168,16 @@ def _min_of_type(schema: dict, kind: Any, depth: int) -> int:
     if kind == "string":
         return 2 + _count(schema, "minLength")
     if kind == "array":
-        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        prefix_items = schema.get("prefixItems")
+        prefix = prefix_items if isinstance(prefix_items, list) else []
         n = _count(schema, "minItems")
         forced = [min_json_chars(s, depth + 1) for s in prefix[:n]]
         rest = max(0, n - len(prefix))
         item = min_json_chars(schema.get("items", {}), depth + 1) if rest else 0
         return 2 + sum(forced) + rest * item + max(0, n - 1)
     if kind == "object":
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties = schema.get("properties")
+        props = properties if isinstance(properties, dict) else {}
         required = [k for k in schema.get("required", []) if isinstance(k, str)] \
             if isinstance(schema.get("required"), list) else []
         members = [len(json.dumps(k, ensure_ascii=False)) + 1 + min_json_chars(props.get(k, {}), depth + 1)
@@ -262,7 +265,7 @@ class Constraint:
         it never raises: a refused token (impossible under the mask) leaves the matcher stopped."""
         self.matcher.consume_token(token)
 
-    def allows(self, tokens: list[int]) -> int:
+    def allows(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens``, from the first, the grammar would take in turn (its state
         unchanged): a draft is cut there, so no row checks a token the mask would refuse."""
         return self.matcher.validate_tokens(tokens) if tokens else 0

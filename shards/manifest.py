@@ -62,7 +62,7 @@ def check_shard_name(name: str) -> str:
 
 
 def check_model_name(name: object) -> str:
-    if not is_plain_name(name):
+    if not isinstance(name, str) or not is_plain_name(name):  # (is_plain_name checks it is a str too)
         raise ModelError(f"model name {str(name)[:80]!r} is not a plain name (it would be used as a directory)")
     return name
 

@@ -14,9 +14,11 @@ key-value heads, hd = head dim. There is no batch dimension: one session per cal
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import ctypes
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -115,21 +117,26 @@ class KVCache:
 
 Rope = tuple[Tensor, Tensor]  # cos, sin [N, hd] for the rows of a forward
 
+# A projection as a stage holds it: an nn.Linear as built (a RowLinear once qlinear.exact_floats
+# made it row-invariant), or a QuantLinear where qlinear.swap_in put one.
+AnyLinear = nn.Linear | qlinear.QuantLinear
+
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.wq = nn.Linear(c.hidden_size, c.q_size, bias=c.attn_bias)
-        self.wk = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
-        self.wv = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
-        self.wo = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        # wq, wk, wv are None once ``fuse`` joined them into wqkv.
+        self.wq: AnyLinear | None = nn.Linear(c.hidden_size, c.q_size, bias=c.attn_bias)
+        self.wk: AnyLinear | None = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
+        self.wv: AnyLinear | None = nn.Linear(c.hidden_size, c.kv_size, bias=c.attn_bias)
+        self.wo: AnyLinear = nn.Linear(c.q_size, c.hidden_size, bias=False)
         # Per-head norms of q and k (over hd), before rope.
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.scale = c.query_scale  # None: SDPA's own 1/sqrt(hd)
         self.window = c.sliding_window if c.is_sliding(layer) else None
-        self.wqkv: nn.Module | None = None  # wq, wk, wv as one matmul, once ``fuse`` made it
+        self.wqkv: AnyLinear | None = None  # wq, wk, wv as one matmul, once ``fuse`` made it
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: Segments) -> Tensor:
         """x [N, H]: the rows of every segment one after another; the projections
@@ -138,9 +145,10 @@ class Attention(nn.Module):
         if self.wqkv is not None:  # q, k and v heads side by side in one output
             qkv = self.wqkv(x).view(N, nq + 2 * nkv, hd)
             qk, v = qkv[:, : nq + nkv], qkv[:, nq + nkv:]
-        else:
-            qk = torch.cat((self.wq(x).view(N, nq, hd), self.wk(x).view(N, nkv, hd)), dim=1)
-            v = self.wv(x).view(N, nkv, hd)
+        else:  # not fused: the three parts are there
+            wq, wk, wv = cast("tuple[AnyLinear, AnyLinear, AnyLinear]", (self.wq, self.wk, self.wv))
+            qk = torch.cat((wq(x).view(N, nq, hd), wk(x).view(N, nkv, hd)), dim=1)
+            v = wv(x).view(N, nkv, hd)
         q, k, v = self.heads(qk, v, cos, sin)
         if len(segments) == 1:
             start, _, cache = segments[0]
@@ -158,8 +166,8 @@ class Attention(nn.Module):
         """q and k heads [N, nh + nkv, hd] normed and roped, v [N, nkv, hd] -> q [nh, N, hd],
         k and v [nkv, N, hd]."""
         nq = self.n_heads
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])), dim=1)
+        if self.q_norm is not None:  # (k_norm is built with it)
+            qk = torch.cat((self.q_norm(qk[:, :nq]), cast(RMSNorm, self.k_norm)(qk[:, nq:])), dim=1)
         # One rope over the q and k heads together.
         q, k = apply_rope(qk.transpose(0, 1), cos, sin).split((nq, self.n_kv_heads))
         return q, k, v.transpose(0, 1)
@@ -211,17 +219,19 @@ CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 class FeedForward(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # gate
-        self.w2 = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)  # down
-        self.w3 = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # up
+        # w1 and w3 are None once ``fuse`` joined them into w13.
+        self.w1: AnyLinear | None = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # gate
+        self.w2: AnyLinear = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)  # down
+        self.w3: AnyLinear | None = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)  # up
         self.act = F.silu if c.hidden_act == "silu" else _gelu_tanh
-        self.w13: nn.Module | None = None  # w1 and w3 as one matmul, once ``fuse`` made it
+        self.w13: AnyLinear | None = None  # w1 and w3 as one matmul, once ``fuse`` made it
 
     def forward(self, x: Tensor) -> Tensor:  # [T, H] -> [T, H]
         if self.w13 is not None:
             gate, up = self.w13(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.w1(x), self.w3(x)
+        else:  # not fused: both parts are there
+            w1, w3 = cast("tuple[AnyLinear, AnyLinear]", (self.w1, self.w3))
+            gate, up = w1(x), w3(x)
         return self.w2(self.act(gate) * up)
 
 
@@ -264,11 +274,13 @@ class Stage(nn.Module):
             raise ModelError(f"span {span} exceeds the model's {config.n_layers} layers")
         self.config, self.span, self.has_embed, self.has_head = config, span, embed, head
         c = config
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.hidden_size) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in (span or ())})
+        # (A QuantEmbedding and a QuantLinear where qlinear.swap_in put them.)
+        self.tok_embeddings: nn.Embedding | qlinear.QuantEmbedding | None = (
+            nn.Embedding(c.vocab_size, c.hidden_size) if embed else None)
+        self.layers = nn.ModuleDict({str(i): Block(c, i) for i in (span or ())})  # read through ``layer``
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
-        self.output = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
-        self.rowops = None  # shards/rowops.py's library, where load_stage found it can run
+        self.output: AnyLinear | None = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
+        self.rowops: ctypes.CDLL | None = None  # shards/rowops.py's library, where load_stage found it can run
         self.tie()
 
     def tie(self) -> None:
@@ -276,6 +288,13 @@ class Stage(nn.Module):
         if (self.config.tie_embeddings and isinstance(self.tok_embeddings, nn.Embedding)
                 and isinstance(self.output, nn.Linear)):
             self.output.weight = self.tok_embeddings.weight
+
+    def layer(self, i: int) -> Block:
+        """The block of absolute layer ``i`` (one of ``span``)."""
+        return cast(Block, self.layers[str(i)])
+
+    def blocks(self) -> Iterable[Block]:
+        return cast("Iterable[Block]", self.layers.values())
 
     @property
     def device(self) -> torch.device:
@@ -301,7 +320,7 @@ class Stage(nn.Module):
         """Run the span over ``hidden`` [T, H] at positions start .. start+T-1."""
         return self.forward_batch(hidden, [(start, hidden.shape[0], caches)])
 
-    def forward_batch(self, hidden: Tensor, batch: list[tuple[int, int, Caches | None]],
+    def forward_batch(self, hidden: Tensor, batch: Sequence[tuple[int, int, Caches | None]],
                       between: Callable[[], object] | None = None) -> Tensor:
         """Run the span over several sessions at once: ``hidden`` [N, H] holds each
         one's rows in turn, ``batch`` their (start, rows, caches). ``between``: called
@@ -314,7 +333,7 @@ class Stage(nn.Module):
         spans = [(start, rows) for start, rows, _ in batch]
         ropes: dict[bool, Rope] = {}  # by layer kind: sliding or not
         for i in self.span:
-            block = self.layers[str(i)]
+            block = self.layer(i)
             if block.sliding not in ropes:
                 ropes[block.sliding] = rope_tables(self.config, block.sliding, spans, x.device, x.dtype)
             segments = [(start, rows, None if caches is None else caches[i]) for start, rows, caches in batch]
@@ -343,32 +362,36 @@ def fuse(stage: Stage) -> int:
     and input cast (measured: a third of a SmolLM2 decode step was such overhead).
     The parts are dropped, so the weights are held once. Returns how many were fused."""
     n = 0
-    for block in stage.layers.values():
+    for block in stage.blocks():
         a, f = block.attention, block.feed_forward
-        if (m := _fused((a.wq, a.wk, a.wv))) is not None:
+        # As loaded: nothing fused yet, so every part is there.
+        if (m := _fused(cast("tuple[AnyLinear, ...]", (a.wq, a.wk, a.wv)))) is not None:
             a.wqkv, a.wq, a.wk, a.wv = m, None, None, None
             n += 1
-        if (m := _fused((f.w1, f.w3))) is not None:
+        if (m := _fused(cast("tuple[AnyLinear, ...]", (f.w1, f.w3)))) is not None:
             f.w13, f.w1, f.w3 = m, None, None
             n += 1
     return n
 
 
-def _fused(parts: tuple[nn.Module, ...]) -> nn.Module | None:
+def _fused(parts: tuple[AnyLinear, ...]) -> AnyLinear | None:
     """One linear whose output rows are ``parts``' in turn, or None when they differ in kind."""
     K = parts[0].in_features
     N = sum(p.out_features for p in parts)
     if any(p.in_features != K for p in parts) or len({p.bias is None for p in parts}) != 1:
         return None
     if all(type(p) is nn.Linear for p in parts):
-        if len({(p.weight.dtype, p.weight.device) for p in parts}) != 1:
+        linears = cast("tuple[nn.Linear, ...]", parts)  # (as just checked)
+        if len({(p.weight.dtype, p.weight.device) for p in linears}) != 1:
             return None
         with torch.device("meta"):
-            m = nn.Linear(K, N, bias=parts[0].bias is not None)
-        tensors = {"weight": [p.weight for p in parts], "bias": [p.bias for p in parts]}
+            m: AnyLinear = nn.Linear(K, N, bias=parts[0].bias is not None)
+        tensors: dict[str, list[Tensor | None]] = {"weight": [p.weight for p in linears],
+                                                   "bias": [p.bias for p in linears]}
     elif all(type(p) is qlinear.QuantLinear for p in parts):
-        r = parts[0].record
-        if any((p.record.layout, p.record.group, p.record.zeros) != (r.layout, r.group, r.zeros) for p in parts):
+        quantized = cast("tuple[qlinear.QuantLinear, ...]", parts)  # (as just checked)
+        r = quantized[0].record
+        if any((p.record.layout, p.record.group, p.record.zeros) != (r.layout, r.group, r.zeros) for p in quantized):
             return None
         m = qlinear.QuantLinear(K, N, r, device="meta", bias=parts[0].bias is not None)
         tensors = {k: [getattr(p, k) for p in parts] for k in (*dict(m.named_buffers(recurse=False)), "bias")}
@@ -377,7 +400,7 @@ def _fused(parts: tuple[nn.Module, ...]) -> nn.Module | None:
     for k, ts in tensors.items():
         if ts[0] is None:
             continue
-        t = torch.cat([t.detach() for t in ts])
+        t = torch.cat([t.detach() for t in cast("list[Tensor]", ts)])  # (all None or none: checked above)
         if isinstance(getattr(m, k), nn.Parameter):
             setattr(m, k, nn.Parameter(t, requires_grad=False))
         else:
@@ -447,11 +470,13 @@ def _load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool, dev
     if embed or head:
         keys = []
         if embed:
+            assert stage.tok_embeddings is not None  # (a stage built with embed has one)
             keys += [(f"tok_embeddings.{k}",) * 2 for k in stage.tok_embeddings.state_dict(keep_vars=True)]
         if head:
             # A head-only stage of a tied model still needs the embedding matrix, as its head.
             src = "tok_embeddings" if manifest.config.tie_embeddings else "output"
             keys += [("norm.weight", "norm.weight")]
+            assert stage.output is not None  # (a stage built with head has one)
             keys += [(f"{src}.{k}", f"output.{k}") for k in stage.output.state_dict(keep_vars=True)]
         state |= _read(model_dir / EMBED_FILE, keys, device, dtype)
     for i in span or ():

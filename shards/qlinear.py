@@ -29,7 +29,8 @@ residual stream, norms and attention keep the stage's own dtype.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import structlog
 import torch
@@ -40,6 +41,9 @@ from shards import qblocks
 from shards.errors import ModelError
 from shards.quant import (BLOCK_RUNS, DEFAULT_GROUP, INT4_GROUPS, SUFFIXES, QuantSpec, TensorQuant, block_bytes,
                           dequantize_weight, quantize_weight, records_of, regroup_int8, unpack_int4)
+
+if TYPE_CHECKING:  # (shards.model imports this module)
+    from shards.model import Stage
 
 log = structlog.get_logger()
 
@@ -64,6 +68,10 @@ def _kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16  # CPU: the fp32 path is scalar; CUDA int4 takes bf16 only
 
 
+# Builds a packed layout on a device: (packed weight, its scales, the path it runs).
+_Builder = Callable[[torch.device], tuple[Tensor | None, Tensor | None, str]]
+
+
 def _record(kind: str, group: int | None, zeros: bool | None) -> TensorQuant:
     if kind == "int4":
         return TensorQuant("int4", group, True, "requantized")
@@ -72,6 +80,13 @@ def _record(kind: str, group: int | None, zeros: bool | None) -> TensorQuant:
 
 class QuantLinear(nn.Module):
     """y = x W^T with W in one of the stored layouts; forward takes [..., K]."""
+
+    # The stored layout's buffers (``zeros`` where it has them), registered in __init__ and
+    # read while ``prepare`` builds the packed one; it may set them None after (``stored``
+    # skips those).
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor
 
     def __init__(self, in_features: int, out_features: int, kind: str | TensorQuant,
                  group_size: int | None = DEFAULT_GROUP, device: torch.device | str | None = None,
@@ -97,7 +112,7 @@ class QuantLinear(nn.Module):
         self._kdtype = torch.bfloat16
         self._kscales: dict[str, Tensor] = {}  # scales (zeros) of the packed codes: rows read back
         self.rescore = 0  # the head: recompute its top-k logits exactly (see forward)
-        self._lib = None  # blocks_cpu: the loaded C kernel library
+        self._lib: ctypes.CDLL | None = None  # blocks_cpu: the loaded C kernel library
         self._segments: list[tuple[int, int, str, Tensor]] = []  # blocks_cpu: (r0, r1, type, blocks)
         self._bound: qblocks.Bound | None = None  # blocks_cpu: the segments bound to the kernel
 
@@ -154,9 +169,9 @@ class QuantLinear(nn.Module):
                 setattr(self, k, None)
         return self.path
 
-    def _builders(self, dev: torch.device) -> list:
+    def _builders(self, dev: torch.device) -> list[_Builder]:
         """The packed layouts to try, best first (each checked on a probe)."""
-        out = []
+        out: list[_Builder] = []
         if dev.type == "cpu" and self.record.source in BLOCK_RUNS and qblocks.library() is not None:
             out.append(self._pack_blocks)
         out.append(self._pack_int8 if self.kind == "int8" and self.group_size is None else self._pack_planes)
@@ -172,7 +187,8 @@ class QuantLinear(nn.Module):
         self._lib = qblocks.library()
         self._kdtype = torch.float32  # the kernel quantizes its input rows itself
         t, K = self.stored(), self.in_features
-        segs = qblocks.segments(t, self.record.source, self.group_size, _CHUNK_ROWS)
+        # (the block layouts all have groups)
+        segs = qblocks.segments(t, self.record.source, cast(int, self.group_size), _CHUNK_ROWS)
         flat = torch.empty(sum(block_bytes(typ, r1 - r0, K) for r0, r1, typ in segs), dtype=torch.uint8)
         self._segments, self._bound, off = [], None, 0
         for r0, r1, typ in segs:  # views of the one buffer, packed a chunk of rows at a time
@@ -209,7 +225,7 @@ class QuantLinear(nn.Module):
             return torch.cat((u >> 4, u & 15), dim=1)
         return sz, g, codes
 
-    def _pack_planes(self, dev: torch.device) -> tuple[Tensor, Tensor, str]:
+    def _pack_planes(self, dev: torch.device) -> tuple[Tensor | None, Tensor, str]:
         sz, g, codes = self._plane_codes()
         self._kgroup = g
         sz = sz.to(self._kdtype).contiguous()
@@ -250,15 +266,17 @@ class QuantLinear(nn.Module):
             # exactly anyway (``rescore``), and a second rounding was a fifth of its time.
             two = qblocks.TWO_PASS and not self.rescore
             if self._bound is None or self._bound.two != two:
-                self._bound = qblocks.Bound(self._lib, self._segments, self.in_features, two)
+                self._bound = qblocks.Bound(cast(ctypes.CDLL, self._lib), self._segments, self.in_features, two)
             return self._bound(x)
+        # The packed weight and its scales: a packed path has both (``forward`` checked _packed).
+        packed, aux = cast(Tensor, self._packed), cast(Tensor, self._aux)
         if self.path == "int8pack":
-            return torch._weight_int8pack_mm(x, self._packed, self._aux)
+            return torch._weight_int8pack_mm(x, packed, aux)
         if self.path.startswith("planes"):
             x = torch.cat((x, x), dim=-1)
         if self.path.endswith("_cpu"):
-            return torch._weight_int4pack_mm_for_cpu(x, self._packed, self._kgroup, self._aux)
-        return torch._weight_int4pack_mm(x, self._packed, self._kgroup, self._aux)
+            return torch._weight_int4pack_mm_for_cpu(x, packed, self._kgroup, aux)
+        return torch._weight_int4pack_mm(x, packed, self._kgroup, aux)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         lead = x.shape[:-1]
@@ -305,7 +323,7 @@ class QuantLinear(nn.Module):
             for r0, r1, typ, b in self._segments:
                 sel = (ids >= r0) & (ids < r1)
                 if len(self._segments) == 1 or bool(sel.any()):
-                    out[sel] = qblocks.rows(self._lib, b, typ, ids[sel] - r0, self.in_features)
+                    out[sel] = qblocks.rows(cast(ctypes.CDLL, self._lib), b, typ, ids[sel] - r0, self.in_features)
             return out
         codes = self.rows_from_packed(ids)
         if codes is None or not self._kscales:
@@ -319,8 +337,9 @@ class QuantLinear(nn.Module):
         ``qweight`` would give them; None where there is no such layout."""
         if self.path not in ("int4pack_cpu", "planes_cpu") or self.out_features % _CPU_BLOCK_N:
             return None
-        kp = self._packed.numel() * 2 // self.out_features
-        blocks = self._packed.view(self.out_features // _CPU_BLOCK_N, kp, _CPU_BLOCK_N // 2)
+        packed = cast(Tensor, self._packed)  # (these paths have it)
+        kp = packed.numel() * 2 // self.out_features
+        blocks = packed.view(self.out_features // _CPU_BLOCK_N, kp, _CPU_BLOCK_N // 2)
         j = ids % _CPU_BLOCK_N
         byte = blocks[ids // _CPU_BLOCK_N, :, j % 32]  # [T, K']
         codes = torch.where((j >= 32)[:, None], byte >> 4, byte & 15)
@@ -333,6 +352,8 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Rows of a quantized embedding matrix [V, H], dequantized on lookup. Tied to a head
     that runs a CPU packed layout, it reads its codes from that layout (one copy)."""
+
+    qweight: Tensor | None  # a buffer (registered in __init__); None once read from the head's layout
 
     def __init__(self, num_embeddings: int, embedding_dim: int, kind: str | TensorQuant,
                  group_size: int | None = DEFAULT_GROUP, device: torch.device | str | None = None):
@@ -364,7 +385,7 @@ class QuantEmbedding(nn.Module):
             for k in SUFFIXES:
                 setattr(self, k, None)
             return True
-        if not torch.equal(head.rows_from_packed(probe), self.qweight[probe]):
+        if not torch.equal(cast(Tensor, head.rows_from_packed(probe)), self.qweight[probe]):  # (not None: above)
             return False
         self._head, self.qweight = head, None
         return True
@@ -373,8 +394,8 @@ class QuantEmbedding(nn.Module):
         if self._head is not None and self._head.path == "blocks_cpu":
             return self._head.rows(ids).view(*ids.shape, -1).to(self.out_dtype)
         rows = {k: v[ids] for k, v in self.stored().items()}
-        if self._head is not None:
-            rows["qweight"] = self._head.rows_from_packed(ids)
+        if self._head is not None:  # (one whose layout gave our codes back: ``share_packed``)
+            rows["qweight"] = cast(Tensor, self._head.rows_from_packed(ids))
         return dequantize_weight(rows, self.kind, self.group_size, self.out_dtype)
 
 
@@ -415,12 +436,12 @@ def exact_floats(stage: nn.Module, lib: ctypes.CDLL | None) -> int:
         if (w is not None and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
                 and w.is_contiguous() and (m.bias is None or m.bias.dtype == torch.float32)):
             m.__class__ = RowLinear  # a subclass with no state of its own: the module as loaded
-            m.lib = lib
+            cast(RowLinear, m).lib = lib
             n += 1
     return n
 
 
-def _swap_linears(stage: nn.Module, make) -> None:
+def _swap_linears(stage: Stage, make: Callable[[str, nn.Linear], nn.Module | None]) -> None:
     for i, block in stage.layers.items():
         for name, parent_child in list(block.named_modules()):
             for cname, child in list(parent_child.named_children()):
@@ -431,7 +452,7 @@ def _swap_linears(stage: nn.Module, make) -> None:
                         setattr(parent_child, cname, new)
 
 
-def swap_in(stage: nn.Module, records: Mapping[str, TensorQuant] | QuantSpec) -> None:
+def swap_in(stage: Stage, records: Mapping[str, TensorQuant] | QuantSpec) -> None:
     """Replace a (meta-device) Stage's linears by QuantLinears per the manifest's records
     (a linear without one, or with a float one, stays), before loading. State-dict names
     stay those of the shard files: ``layers.3.attention.wq.qweight``, ``output.qweight``,
@@ -439,7 +460,7 @@ def swap_in(stage: nn.Module, records: Mapping[str, TensorQuant] | QuantSpec) ->
     if isinstance(records, QuantSpec):
         records = records_of(records.to_dict(), stage.config)
 
-    def make(key: str, m: nn.Linear):
+    def make(key: str, m: nn.Linear) -> QuantLinear | None:
         rec = records.get(key)
         if rec is None or rec.layout == "float":
             return None
@@ -449,14 +470,15 @@ def swap_in(stage: nn.Module, records: Mapping[str, TensorQuant] | QuantSpec) ->
     c = stage.config
     head_rec = records.get("tok_embeddings" if c.tie_embeddings else "output")
     if stage.output is not None and head_rec is not None and head_rec.layout != "float":
-        stage.output = QuantLinear(c.hidden_size, c.vocab_size, head_rec, device=stage.output.weight.device)
+        built = cast(nn.Linear, stage.output)  # (what Stage built: swap_in runs before loading)
+        stage.output = QuantLinear(c.hidden_size, c.vocab_size, head_rec, device=built.weight.device)
     emb_rec = records.get("tok_embeddings")
     if stage.tok_embeddings is not None and emb_rec is not None and emb_rec.layout != "float":
-        stage.tok_embeddings = QuantEmbedding(c.vocab_size, c.hidden_size, emb_rec,
-                                              device=stage.tok_embeddings.weight.device)
+        table = cast(nn.Embedding, stage.tok_embeddings)  # (what Stage built)
+        stage.tok_embeddings = QuantEmbedding(c.vocab_size, c.hidden_size, emb_rec, device=table.weight.device)
 
 
-def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
+def prepare(stage: Stage, act_dtype: torch.dtype) -> dict[str, int]:
     """After loading: tie a quantized head to its embedding, build device layouts; count paths."""
     emb, out = stage.tok_embeddings, stage.output
     tied = isinstance(emb, QuantEmbedding) and isinstance(out, QuantLinear) and stage.config.tie_embeddings
@@ -472,7 +494,8 @@ def prepare(stage: nn.Module, act_dtype: torch.dtype) -> dict[str, int]:
         if isinstance(m, QuantLinear) and m.path == "unprepared":
             p = m.prepare(act_dtype, keep_stored=tied and m is out, rescore=RESCORE if m is out else 0)
             paths[p] = paths.get(p, 0) + 1
-    if tied and out.path not in ("int8pack", "dense") and emb.share_packed(out):
+    head, table = cast(QuantLinear, out), cast(QuantEmbedding, emb)  # (what they are where tied)
+    if tied and head.path not in ("int8pack", "dense") and table.share_packed(head):
         for k in SUFFIXES:  # the head reads its rows from its packed layout too
             if getattr(out, k, None) is not None:
                 setattr(out, k, None)
@@ -486,7 +509,7 @@ def held_bytes(stage: nn.Module) -> int:
     device layouts the quantized modules built (what placement's byte count estimates)."""
     seen: dict[int, int] = {}
     for m in stage.modules():
-        extra = ()
+        extra: tuple[Tensor | None, ...] = ()
         if isinstance(m, QuantLinear):
             extra = (m._packed, m._aux, *m._kscales.values())
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False), *extra):
@@ -506,17 +529,18 @@ def _trim_heap() -> None:
         pass
 
 
-def quantize_stage(stage: nn.Module, spec: QuantSpec) -> dict[str, int]:
+def quantize_stage(stage: Stage, spec: QuantSpec) -> dict[str, int]:
     """Quantize a loaded full-precision Stage in place (tests, bench); shards come from convert."""
     act = next(p for p in stage.parameters() if p.is_floating_point()).dtype
     g = spec.group_for(spec.kind)
     _swap_linears(stage, lambda _key, m: QuantLinear.from_weight(m.weight, spec.kind, g, m.bias))
     if spec.head:
         kind, g, c = spec.head_as, spec.group_for(spec.head_as), stage.config
+        # (a full-precision stage: its head an nn.Linear, its embedding an nn.Embedding)
         if stage.output is not None:
-            stage.output = QuantLinear.from_weight(stage.output.weight, kind, g)
+            stage.output = QuantLinear.from_weight(cast(nn.Linear, stage.output).weight, kind, g)
         if c.tie_embeddings and stage.tok_embeddings is not None:
-            w = stage.tok_embeddings.weight
+            w = cast(nn.Embedding, stage.tok_embeddings).weight
             emb = QuantEmbedding(c.vocab_size, c.hidden_size, kind, g, device=w.device)
             src = stage.output.stored() if stage.output is not None else quantize_weight(w, kind, g)
             for k, v in src.items():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -70,9 +71,11 @@ class TensorQuant:
             return {"weight": (N, K)}
         if self.group and K % self.group:
             raise ModelError(f"group {self.group} does not divide the input size {K}")
-        shapes = {"qweight": (N, K // 2) if self.layout == "int4" else (N, K),
-                  "scales": (N, K // self.group) if self.group else (N,)}
+        shapes: dict[str, tuple[int, ...]] = {"qweight": (N, K // 2) if self.layout == "int4" else (N, K),
+                                              "scales": (N, K // self.group) if self.group else (N,)}
         if self.zeros:
+            if self.group is None:
+                raise ModelError("a tensor with zeros has one per group, but no group")
             shapes["zeros"] = (N, K // self.group)
         return shapes
 
@@ -195,8 +198,8 @@ def resident_bytes(shapes: Mapping[str, tuple[int, ...]], records: Mapping[str, 
             N, K = shape[0], shape[1] * (2 if rec.layout == "int4" else 1)
             if rec.source in BLOCK_RUNS:
                 total += block_bytes(rec.source, N, K)
-            elif rec.layout == "int4":
-                total += N * K // 2 + N * (K // rec.group) * _KERNEL_SZ_BYTES
+            elif rec.layout == "int4":  # (always grouped: TensorQuant checks)
+                total += N * K // 2 + N * (K // cast(int, rec.group)) * _KERNEL_SZ_BYTES
             elif rec.group is None:
                 total += N * K + 2 * N
             else:

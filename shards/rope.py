@@ -7,6 +7,7 @@ same order), so that a model's logits match theirs to float rounding.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -35,7 +36,7 @@ def inv_freq(c: ModelConfig, sliding: bool = False, seq_len: int = 0,
         factors = torch.tensor(s.freq_factors, dtype=torch.float32, device=device)
         return default_inv_freq(hd, c.rope_theta, device) / factors
     if s.kind == "dynamic":
-        orig = s.original_max_position
+        orig = cast(int, s.original_max_position)  # (dynamic scaling has it: RopeScaling checks)
         if seq_len <= orig:
             return default_inv_freq(hd, c.rope_theta, device)
         # As transformers does on growth: the sequence length is a tensor there, so float32.
@@ -43,12 +44,15 @@ def inv_freq(c: ModelConfig, sliding: bool = False, seq_len: int = 0,
         base = c.rope_theta * ((s.factor * n / orig) - (s.factor - 1)) ** (hd / (hd - 2))
         return 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     # llama3: low frequencies divided by factor, high ones kept, a smooth blend between.
+    # (RopeScaling checks that llama3 scaling has all three.)
+    orig = cast(int, s.original_max_position)
+    low, high = cast(float, s.low_freq_factor), cast(float, s.high_freq_factor)
     freq = default_inv_freq(hd, c.rope_theta, device)
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
+    low_wavelen = orig / low
+    high_wavelen = orig / high
     wavelen = 2 * math.pi / freq
     scaled = torch.where(wavelen > low_wavelen, freq / s.factor, freq)
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (orig / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)

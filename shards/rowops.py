@@ -25,13 +25,18 @@ import functools
 import os
 import struct
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from shards import qblocks
 from shards.qlinear import QuantLinear, RowLinear
+
+if TYPE_CHECKING:  # (shards.model imports this module)
+    from shards.model import AnyLinear, Block, RMSNorm
 
 SOURCE = qblocks.SOURCE.with_name("rowops.c")
 _BF16 = torch.bfloat16
@@ -76,11 +81,11 @@ def _check(rc: int, what: str) -> None:
 
 # -- what a block's forward needs, worked out once ---------------------------------------------
 
-def _in_dtype(lin: nn.Module) -> torch.dtype:
+def _in_dtype(lin: AnyLinear) -> torch.dtype:
     return lin.in_dtype if isinstance(lin, (QuantLinear, RowLinear)) else lin.weight.dtype
 
 
-def _runner(lin: nn.Module):  # x in the linear's input dtype -> bf16 or float32 [N, out]
+def _runner(lin: AnyLinear) -> Callable[[Tensor], Tensor]:  # x in the linear's input dtype -> bf16 or float32 [N, out]
     if isinstance(lin, QuantLinear):
         return lin.raw
     return lin if isinstance(lin, RowLinear) else functools.partial(F.linear, weight=lin.weight, bias=lin.bias)
@@ -90,7 +95,7 @@ class _Linears:
     """Linears that read one normed input: the dtype the norm writes it in (bf16 when all
     take bf16, else float32, cast for those that take bf16) and each one's call."""
 
-    def __init__(self, linears: tuple[nn.Module, ...]):
+    def __init__(self, linears: tuple[AnyLinear, ...]):
         dtypes = [_in_dtype(m) for m in linears]
         self.dtype = _BF16 if all(d == _BF16 for d in dtypes) else torch.float32
         self.casts = [None if d == self.dtype else d for d in dtypes]
@@ -105,13 +110,14 @@ class _Plan:
     """A block's modules, dtypes and constants for ``block`` (the weights do not change
     after loading, so this is made on the first call)."""
 
-    def __init__(self, b: nn.Module):
+    def __init__(self, b: Block):
         a, f = b.attention, b.feed_forward
         self.attention_norm, self.ffn_norm = b.attention_norm, b.ffn_norm
         self.post_attention_norm, self.post_ffn_norm = b.post_attention_norm, b.post_ffn_norm
-        self.qkv = _Linears((a.wqkv,) if a.wqkv is not None else (a.wq, a.wk, a.wv))
+        # (the parts are there where the fused linear is not)
+        self.qkv = _Linears((a.wqkv,) if a.wqkv is not None else cast("tuple[AnyLinear, ...]", (a.wq, a.wk, a.wv)))
         self.wo, self.wo_dtype = _runner(a.wo), _in_dtype(a.wo)
-        self.gate_up = _Linears((f.w13,) if f.w13 is not None else (f.w1, f.w3))
+        self.gate_up = _Linears((f.w13,) if f.w13 is not None else cast("tuple[AnyLinear, ...]", (f.w1, f.w3)))
         self.w2, self.w2_dtype, self.inter = _runner(f.w2), _in_dtype(f.w2), f.w2.in_features
         self.gelu = int(f.act is not F.silu)
         self.attention = a
@@ -127,7 +133,7 @@ class _Whole:
     ``runs``, in order, ("c", first, last) for steps run in one C call and ("torch", step) for a
     linear on another kernel, run here between them. Keeps the tensors it points into."""
 
-    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int, torch_steps: set[int], sizes: tuple,
+    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int | None, torch_steps: set[int], sizes: tuple,
                  dtypes: tuple):
         self.plan = torch.tensor(plan, dtype=torch.int64)
         self.keep, self.matmul, self.sizes, self.dtypes = keep, matmul, sizes, dtypes
@@ -167,16 +173,16 @@ def _bits(v: float) -> int:  # a float as the 32 bits ctypes' c_float would pass
     return struct.unpack("<i", struct.pack("<f", v))[0]
 
 
-def _eps(norm: nn.Module | None, post: nn.Module | None) -> float:  # add_norm's
+def _eps(norm: RMSNorm | None, post: RMSNorm | None) -> float:  # add_norm's
     n = norm if norm is not None else post
     return n.eps if n is not None else 0.0
 
 
-def _on_blocks(m: nn.Module) -> bool:
+def _on_blocks(m: AnyLinear) -> bool:
     return isinstance(m, QuantLinear) and m.path == "blocks_cpu" and (m.bias is None or m.bias.dtype == torch.float32)
 
 
-def _whole_plan(pl: _Plan, wo: nn.Module, w2: nn.Module) -> _Whole | None:
+def _whole_plan(pl: _Plan, wo: AnyLinear, w2: AnyLinear) -> _Whole | None:
     """The plan, with the linears on the block kernel (a GGUF file's Q8_0, Q5_x, Q6_K and Q5_K)
     run in C; None where that kernel is not built, no linear runs on it, or with
     MESHD_WHOLE_BLOCK=0 (for side-by-side runs)."""
@@ -207,7 +213,7 @@ def _whole_plan(pl: _Plan, wo: nn.Module, w2: nn.Module) -> _Whole | None:
             *(int(takes[step] == _BF16) for step in (1, 3, 5, 7))]
     for step, ms in slots.items():
         for m in ms:
-            segs = m._segments if in_c[step] else []
+            segs = cast(QuantLinear, m)._segments if in_c[step] else []  # (on the block kernel: a QuantLinear)
             plan += [m.out_features, m.in_features, ptr(m.bias) if in_c[step] else 0, len(segs) if in_c[step] else -1]
             for r0, r1, typ, blocks in segs:
                 plan += [qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0]
@@ -218,7 +224,7 @@ def _whole_plan(pl: _Plan, wo: nn.Module, w2: nn.Module) -> _Whole | None:
                   {step for step, c in in_c.items() if not c}, sizes, dtypes)
 
 
-def _plan(b: nn.Module) -> _Plan:
+def _plan(b: Block) -> _Plan:
     plan = b.__dict__.get("_rowops_plan")
     if plan is None:
         plan = b.__dict__["_rowops_plan"] = _Plan(b)
@@ -229,19 +235,25 @@ def _ptr(t: Tensor, offset: int = 0) -> int:
     return t.data_ptr() + offset * t.element_size()
 
 
-def _weight(norm: nn.Module | None) -> int | None:
+def _weight(norm: RMSNorm | None) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
 
 # -- one block ----------------------------------------------------------------------------
 
-def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: nn.Module | None, norm: nn.Module | None,
+@overload
+def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: RMSNorm | None, norm: RMSNorm,
+             dtype: torch.dtype = torch.float32) -> Tensor: ...
+@overload
+def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: RMSNorm | None, norm: None,
+             dtype: torch.dtype = torch.float32) -> None: ...
+def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: RMSNorm | None, norm: RMSNorm | None,
              dtype: torch.dtype = torch.float32) -> Tensor | None:
     """x += a (normed by ``post`` first, when given), in place; then ``norm``(x) in ``dtype``
     (None when ``norm`` is None)."""
     N, H = x.shape
     out = None if norm is None else torch.empty(N, H, dtype=dtype)
-    eps = (norm or post).eps if (norm or post) is not None else 0.0
+    eps = n.eps if (n := norm or post) is not None else 0.0
     _check(lib.ro_add_norm(N, H, x.data_ptr(), x.stride(0), None if a is None else a.data_ptr(),
                            0 if a is None else a.stride(0), int(a is not None and a.dtype == _BF16),
                            _weight(post), _weight(norm), eps, None if out is None else out.data_ptr(), H,
@@ -249,7 +261,7 @@ def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: nn.Module | No
     return out
 
 
-def block(lib: ctypes.CDLL, b: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
+def block(lib: ctypes.CDLL, b: Block, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
     """``Block.forward`` of x [N, H] (float32, contiguous, updated in place and returned)."""
     pl = _plan(b)
     if (pl.whole is not None and segments and all(rows == 1 and cache is not None for _, rows, cache in segments)
@@ -271,8 +283,8 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
     """``block`` for decode rows (one new position each, with a cache): its steps in C, and
     between them the linears the block kernel does not run, on inputs the C wrote in their
     dtype; the C reads what they give in place."""
-    w, n = pl.whole, len(segments)
-    vals = []
+    w, n = cast(_Whole, pl.whole), len(segments)  # (``block`` calls this only where there is one)
+    vals: list[int] = []
     for start, _, cache in segments:
         cache.reserve(start, 1)
         vals += (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity, start, pl.attention.first_key(start))

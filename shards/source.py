@@ -3,6 +3,8 @@ name tables, each source with its own ``_get``."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from shards.errors import ModelError
@@ -21,11 +23,12 @@ class TensorSource:
     def _get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    # (``_get`` gives tensors, and the family's row transforms keep them tensors)
     def embed_tensors(self) -> dict[str, torch.Tensor]:
-        return self.family.read(self.format, self._get, self.config, None)
+        return cast("dict[str, torch.Tensor]", self.family.read(self.format, self._get, self.config, None))
 
     def layer_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        return self.family.read(self.format, self._get, self.config, i)
+        return cast("dict[str, torch.Tensor]", self.family.read(self.format, self._get, self.config, i))
 
     def _check_all_used(self, present: set[str], extra: set[str], where: str) -> None:
         """A tensor the family does not read is a part of the model the forward would

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO, cast
 
 from shards.errors import ModelError
 
@@ -77,13 +78,15 @@ class _Worker:
                 "from shards.template_worker import main; main()")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      close_fds=True, start_new_session=True)
+        # Its ends of the two pipes (PIPE above: never None).
+        self.stdin, self.stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)
         self.ready = False
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.stdin, self.stdout):
             try:
                 f.close()
             except OSError:
@@ -91,8 +94,8 @@ class _Worker:
 
     def send(self, request: dict) -> None:
         data = json.dumps(request, ensure_ascii=False).encode("utf-8", "replace")
-        self.proc.stdin.write(HEADER.pack(len(data)) + data)
-        self.proc.stdin.flush()
+        self.stdin.write(HEADER.pack(len(data)) + data)
+        self.stdin.flush()
 
     def receive(self, deadline: float) -> dict | None:
         """The worker's next answer, or None once ``deadline`` (monotonic) has passed."""
@@ -103,7 +106,7 @@ class _Worker:
         return None if body is None else json.loads(body)
 
     def _read(self, n: int, deadline: float) -> bytes | None:
-        fd, out = self.proc.stdout.fileno(), bytearray()
+        fd, out = self.stdout.fileno(), bytearray()
         while len(out) < n:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -163,6 +166,7 @@ class RenderPool:
         w = self._take()
         try:
             if not w.ready:
+                started: dict | Exception | None
                 try:
                     started = w.receive(time.monotonic() + START_S)
                 except (OSError, EOFError, ValueError) as exc:

@@ -79,7 +79,7 @@ def write_tiny_hf_model(out_dir: Path, seed: int = 0, n_layers: int = 6, hidden:
     # Two shards with an index, as Hugging Face writes larger models.
     names = sorted(tensors)
     halves = [names[: len(names) // 2], names[len(names) // 2:]]
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for n, part in enumerate(halves, 1):
         fname = f"model-{n:05d}-of-00002.safetensors"
         save_file({k: tensors[k].contiguous() for k in part}, str(out / fname), metadata={"format": "pt"})

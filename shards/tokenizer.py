@@ -26,6 +26,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -130,7 +131,7 @@ def gguf_special_tokens(fields: Mapping) -> dict[str, str]:
 def _byte_level_bpe(tokens: list[str], merges: Sequence[str], pre: str) -> Tokenizer:
     splits, normalizer, ignore_merges = _BPE_PRE[pre]()
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges])  # ("left right" each)
     model = (models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=True)
              if ignore_merges else models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     tok = Tokenizer(model)
@@ -260,13 +261,14 @@ class MeshTokenizer:
         self.chat_template = chat_template
         self.bos_id = bos_id
         # Every end-of-generation id: the config's, and any end-of-turn token the vocabulary has.
-        ends = {tokenizer.token_to_id(t) for t in END_TOKENS} - {None}
+        ends = cast("set[int]", {tokenizer.token_to_id(t) for t in END_TOKENS} - {None})  # (None taken out)
         self.eos_ids = frozenset(eos_ids) | ends
         specials = dict(special_tokens or {})
+        # (id_to_token is None only for an id past the vocabulary; a template reads it as a value)
         if "bos_token" not in specials and bos_id is not None:
-            specials["bos_token"] = tokenizer.id_to_token(bos_id)
+            specials["bos_token"] = cast(str, tokenizer.id_to_token(bos_id))
         if "eos_token" not in specials and eos_ids:
-            specials["eos_token"] = tokenizer.id_to_token(min(eos_ids))
+            specials["eos_token"] = cast(str, tokenizer.id_to_token(min(eos_ids)))
         self.special_tokens = specials
         has_chatml = all(tokenizer.token_to_id(t) is not None for t in CHATML_MARKERS)
         self.template = pick_template(chat_template, given_template, has_chatml, specials)

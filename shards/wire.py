@@ -31,9 +31,12 @@ def to_wire(t: torch.Tensor) -> WireTensor:
     if t.device.type == "cpu" and t.dtype != torch.bfloat16 and t.numel() and t.dim() and t.is_contiguous():
         # A hidden state as an engine hands it over: its own memory as it is, with fewer
         # torch calls (each costs the event loop more than the bytes do).
-        return WireTensor(name, tuple(t.shape), memoryview(t.detach().numpy()).cast("B"))
+        data = memoryview(t.detach().numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
+        return WireTensor(name, tuple(t.shape), data.cast("B"))
     host = t.detach().contiguous().cpu()
-    return WireTensor(name, tuple(host.shape), memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    flat = host.reshape(-1).view(torch.uint8).numpy()
+    data = memoryview(flat)  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
+    return WireTensor(name, tuple(host.shape), data)
 
 
 def from_wire(w: WireTensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ as codes, scales, ...): row slicing and the Q/K row order apply to either.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Union
+from typing import ClassVar, Union, cast
 
 import numpy as np
 from torch import Tensor
@@ -230,7 +230,8 @@ class Family:
         theta, scaling = self.hf_rope(hf, hf.get("rope_parameters") or {})
         out = {"rope_theta": theta, "rope_scaling": scaling}
         if scaling is not None and scaling.kind == "dynamic":  # the context it is scaled to reach
-            out["max_position"] = int(scaling.original_max_position * scaling.factor)
+            # (dynamic scaling has original_max_position: RopeScaling checks)
+            out["max_position"] = int(cast(int, scaling.original_max_position) * scaling.factor)
         return out
 
     def hf_rope(self, hf: HFConfig, params: Mapping) -> tuple[float, RopeScaling | None]:
@@ -278,9 +279,9 @@ class Family:
             raise ModelError(f"{meta.name}: per-layer head counts or feed-forward sizes are not supported")
         vocab = meta.get("vocab_size")
         if vocab is None:
-            vocab = len(meta.fields.get("tokenizer.ggml.tokens") or ())
-        eos = [meta.fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        bos = meta.fields.get("tokenizer.ggml.bos_token_id")
+            vocab = len(cast("Sequence[str]", meta.fields.get("tokenizer.ggml.tokens") or ()))
+        eos = [cast("int | None", meta.fields.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")]
+        bos = cast("int | None", meta.fields.get("tokenizer.ggml.bos_token_id"))
         base = dict(
             n_layers=int(meta.require("block_count")),
             hidden_size=hidden,
@@ -345,7 +346,10 @@ class Family:
                     fused[name] = get(name)
                 sizes = spec.sizes(c)
                 lo = sum(sizes[: spec.part])
-                w = map_rows(fused[name], lambda t, a=lo, b=lo + sizes[spec.part]: _rows(t, a, b, name, sum(sizes)))
+
+                def cut(t: Tensor, a: int = lo, b: int = lo + sizes[spec.part]) -> Tensor:
+                    return _rows(t, a, b, name, sum(sizes))
+                w = map_rows(fused[name], cut)
             else:
                 w = get(spec.format(i=layer))
             out[ours] = self.transform(fmt, ours, w, c)
@@ -357,7 +361,7 @@ class Family:
             if heads is not None:
                 return map_rows(w, lambda t: unpermute_rope(t, heads))
         if fmt == "hf" and self.hf_norm_offset and _is_norm(ours):
-            return w + self.hf_norm_offset
+            return cast(Tensor, w) + self.hf_norm_offset  # (a Hugging Face file's weights are plain tensors)
         return w
 
 

@@ -10,13 +10,15 @@ attention, and so does a conversion of them).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from shards.families.base import Family, HFConfig
 
 
 class Llama(Family):
     name = "llama"
     hf_architectures = ("LlamaForCausalLM",)
-    gguf_architecture = "llama"
+    gguf_architecture: ClassVar[str | None] = "llama"
     gguf_permuted = True
 
 
