@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 export MESHD_STATE_DIR := $(STATE)
 export MESHD_TEST_MODEL_DIR := $(STATE)/models/smollm2-135m
 
-.PHONY: run test durations bootstrap model gemma bench clean
+.PHONY: run test typecheck durations bootstrap model gemma bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,8 +38,12 @@ run: model
 
 # One torch thread per process: six workers and their daemons share two cores, and libgomp's
 # spinning threads in each would take turns burning them (tests that need a count say so).
-test: model gemma
+test: model gemma typecheck
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=5 $(PYTEST_ARGS)
+
+# Every annotated function of meshd/, shards/ and protocol/ type-checked ([tool.mypy]): zero errors.
+typecheck: bootstrap
+	$(BIN)/mypy
 
 # Re-measure how long each test group takes (the order workers take them in).
 durations: model gemma
