@@ -84,8 +84,19 @@ async def measure(url: str, args) -> tuple[dict, dict]:
                                              "max_tokens": args.tokens}, chat=True)
                 rates.append((r["n"] - 1) / (r["last"] - r["first"]) if r["n"] > 1 else float("nan"))
                 texts[f"{kind}{i}"] = r["text"]
+                out[f"{kind}{i}"] = rates[-1]
             out[kind] = statistics.median(rates)
     return out, texts
+
+
+def repeated(prompt: str, answer: str, n: int = 12) -> float:
+    """The share of the answer's characters inside a run of ``n`` or more that the prompt
+    holds too: how much of it a lookup of the prompt could draft."""
+    covered = [False] * len(answer)
+    for i in range(len(answer) - n + 1):
+        if answer[i:i + n] in prompt:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / len(answer) if answer else 0.0
 
 
 def llama_lookup(args, workdir: Path) -> dict | None:
@@ -155,12 +166,13 @@ def main() -> int:
         for r in running.values():
             r.stop()
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
-    print(f"\n| config | extraction tok/s | free tok/s | drafted | accepted | tokens per checked step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"\n| config | extraction tok/s | free tok/s | drafted | accepted | tokens per checked step "
+          f"| step ms | ms per drafted row |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in med.items():
         s = spec[name]
         print(f"| {name} | {m['extraction']:.1f} | {m['free']:.1f} | {s['drafted']} | {s['accepted']} "
-              f"| {s['tokens_per_step'] or '-'} |")
+              f"| {s['tokens_per_step'] or '-'} | {s.get('step_ms') or '-'} | {s.get('draft_row_ms') or '-'} |")
     ratios = {"extraction on/off, 1 peer": med["1-on"]["extraction"] / med["1-off"]["extraction"],
               "extraction on/off, 2 peers": med["2-on"]["extraction"] / med["2-off"]["extraction"],
               "extraction 2 peers / 1 peer, on": med["2-on"]["extraction"] / med["1-on"]["extraction"],
@@ -170,6 +182,13 @@ def main() -> int:
     for what, ratio in ratios.items():
         target = TARGETS[what]
         print(f"{what}: {ratio:.2f}x (target >= {target}x: {'met' if ratio >= target else 'NOT met'})")
+    print("\nper extraction prompt (1 peer): how much of the answer repeats the prompt, and what drafts gave")
+    print("| prompt | answer repeats prompt | 1-off tok/s | 1-on tok/s | on/off |")
+    print("|---|---:|---:|---:|---:|")
+    for i, prompt in enumerate(EXTRACTION):
+        off, on = med["1-off"][f"extraction{i}"], med["1-on"][f"extraction{i}"]
+        print(f"| {prompt.splitlines()[0][:48]!r} | {repeated(prompt, texts['1-off'][f'extraction{i}']):.0%} "
+              f"| {off:.1f} | {on:.1f} | {on / off:.2f}x |")
     same = {name: texts[name] == texts["1-off"] for name in CONFIGS}
     print("texts equal 1-off's (greedy): " + ", ".join(f"{n} {ok}" for n, ok in same.items()))
     llama = llama_lookup(args, workdir)

@@ -201,22 +201,23 @@ class QuantLinear(nn.Module):
             off += size
         return flat, None, "blocks_cpu"
 
-    def _plane_codes(self):
+    def _plane_codes(self) -> tuple[Tensor, int, Callable[[int, int], Tensor]]:
         """The kernel's scales_and_zeros [K'/g, N, 2] for ``(code - 8) * scale + zero``, its
         group g, and ``codes(r0, r1)``: 4-bit codes of rows r0..r1 [r, K'] (int32), made a
         slice at a time (the head's full int32 codes would be 4 bytes a weight, twice)."""
+        group = cast(int, self.group_size)  # (the plane layouts are grouped: _builders picks them so)
         if self.kind == "int4":  # ours: code * s + z  ->  zero' = z + 8 s
             self._kscales = {"scales": self.scales, "zeros": self.zeros}
             s, z = self.scales.float(), self.zeros.float()
             sz = torch.stack((s.t(), (z + 8 * s).t()), dim=-1)
-            return sz, self.group_size, lambda r0, r1: unpack_int4(self.qweight[r0:r1]).to(torch.int32)
+            return sz, group, lambda r0, r1: unpack_int4(self.qweight[r0:r1]).to(torch.int32)
         t = self.stored()
-        if self.group_size % PLANE_GROUP:
+        if group % PLANE_GROUP:
             t = regroup_int8(t, PLANE_GROUP)  # Q6_K: 16-wide scales -> 32 (half a new step)
         self._kscales = {k: v for k, v in t.items() if k != "qweight"}
         s = t["scales"].float()
         z = t["zeros"].float() if "zeros" in t else torch.zeros_like(s)
-        g = self.group_size if self.group_size % PLANE_GROUP == 0 else PLANE_GROUP
+        g = group if group % PLANE_GROUP == 0 else PLANE_GROUP
         # hi plane: (hi - 8) * 16 s + z = 16 s hi - 128 s + z; lo plane: (lo - 8) s + 8 s = s lo.
         sz = torch.cat((torch.stack((16 * s, z), -1), torch.stack((s, 8 * s), -1)), dim=1).transpose(0, 1)
 

@@ -18,6 +18,11 @@ STAGE, WAIT, HOP, SAMPLE = "stage", "wait", "hop", "sample"
 Key = tuple[str, str]  # (kind, node id)
 
 
+def ms(seconds: float | None) -> float | None:
+    """Seconds as milliseconds to the microsecond, as /status and /live show times (None stays None)."""
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
 class StepTimes:
     """One step (or one prompt's pipelined prefill): when it ran and the seconds of each
     part, by (kind, node). Parts of sibling tasks add up past the step's length where

@@ -116,7 +116,7 @@ async def upload_file(request: web.Request) -> web.Response:
     if request.content_length is not None and request.content_length > MAX_FILE_BYTES + FIELD_LIMIT * 4:
         raise BadRequest(f"a batch file is at most {MAX_FILE_BYTES >> 20} MiB", 413, param="file")
     purpose, filename, size = None, None, 0
-    spool = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=store.path.parent, prefix="upload-")
+    spool = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=str(store.path.parent), prefix="upload-")
     try:
         reader = await request.multipart()
         async for part in reader:

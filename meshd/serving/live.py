@@ -18,17 +18,13 @@ from collections.abc import Callable
 from typing import cast
 
 from meshd.control.mesh import MeshView
-from meshd.control.timing import HOP, STAGE, WAIT, Totals
+from meshd.control.timing import HOP, STAGE, WAIT, Totals, ms
 from meshd.serving.scheduler import Scheduler
 from meshd.serving.traces import TraceStore
 
 INTERVAL_S = 1.0
 WINDOW_S = 900  # 15 minutes of samples
 RECENT = 12  # recent requests in a /live answer
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 3)
 
 
 class LiveFeed:
@@ -72,7 +68,7 @@ class LiveFeed:
             "seq": self.seq, "t": round(time.time(), 3),
             "tokens_per_s": round((tokens - last[1]) / dt, 2) if last is not None and dt > 0 else 0.0,
             "running": running, "queued": queued,
-            "ttft_p50_ms": _ms(p50), "ttft_p95_ms": _ms(p95),
+            "ttft_p50_ms": ms(p50), "ttft_p95_ms": ms(p95),
             "kv_reserved": self.scheduler.reserved_tokens, "kv_prefix": self.scheduler.prefix.held,
             "kv_budget": self.scheduler.kv_budget_tokens,
             "peers": self._peers(dt, seconds, calls, last),
@@ -95,9 +91,9 @@ class LiveFeed:
             link = view.links.get(node)
             out[node] = {
                 "calls": n,
-                "stage_ms": _ms(spent[STAGE] / n) if n else None,
-                "wait_ms": _ms(spent[WAIT] / n) if n else None,
-                "hop_ms": _ms(spent[HOP] / n) if n and node != view.node_id else None,
+                "stage_ms": ms(spent[STAGE] / n) if n else None,
+                "wait_ms": ms(spent[WAIT] / n) if n else None,
+                "hop_ms": ms(spent[HOP] / n) if n and node != view.node_id else None,
                 "busy": round(min(1.0, spent[STAGE] / dt), 3) if dt > 0 else 0.0,
                 "rtt_ms": round(link.rtt_ms, 3) if link is not None and link.rtt_ms is not None else None,
             }

@@ -24,7 +24,7 @@ from typing import cast
 import structlog
 import torch
 
-from meshd.control.timing import StepTimes
+from meshd.control.timing import StepTimes, ms
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.drafter import DraftModel
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
@@ -365,7 +365,9 @@ class Scheduler:
                 "model_drafted": self.model_drafted, "model_accepted": self.model_accepted,
                 "acceptance": round(self.accepted / self.drafted, 4) if self.drafted else None,
                 "tokens_per_step": round((self.accepted + self.draft_steps) / self.draft_steps, 3)
-                if self.draft_steps else None}
+                if self.draft_steps else None,
+                # What auto weighs a draft by, as learned here: a one-session step, and each drafted row more.
+                "step_ms": ms(self.step_cost.plain), "draft_row_ms": ms(self.step_cost.row)}
 
     def _lanes_in_use(self) -> int:
         """One lane per stage keeps every stage busy; one is enough for one stage."""

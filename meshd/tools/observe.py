@@ -200,7 +200,7 @@ class _Keys:
         return self
 
     def __exit__(self, *exc):
-        if self._saved is not None:
+        if self._saved is not None and self.fd is not None:  # (saved only from a terminal's fd)
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
 
     def wait(self, seconds: float) -> str:
