@@ -23,7 +23,7 @@ from shards.hf_source import HFSource, is_hf_dir
 from shards.config import ModelConfig
 from shards.manifest import (EMBED_FILE, MANIFEST_FILE, TOKENIZER_FILE, FileEntry, Manifest,
                              layer_file)
-from shards.model import Block
+from shards.layers import Block
 
 log = structlog.get_logger()
 

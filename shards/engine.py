@@ -28,7 +28,8 @@ from shards import rowops
 from shards.errors import CacheMissing, ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
-from shards.model import Block, Caches, KVCache, Stage, load_stage, rope_tables
+from shards.layers import Block, Caches, KVCache, rope_tables
+from shards.model import Stage, load_stage
 from shards.span import Span
 
 log = structlog.get_logger()

@@ -29,8 +29,8 @@ residual stream, norms and attention keep the stage's own dtype.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol, cast
 
 import structlog
 import torch
@@ -38,12 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shards import qblocks
+from shards.config import ModelConfig
 from shards.errors import ModelError
 from shards.quant import (BLOCK_RUNS, DEFAULT_GROUP, INT4_GROUPS, SUFFIXES, QuantSpec, TensorQuant, block_bytes,
                           dequantize_weight, quantize_weight, records_of, regroup_int8, unpack_int4)
-
-if TYPE_CHECKING:  # (shards.model imports this module)
-    from shards.model import Stage
 
 log = structlog.get_logger()
 
@@ -440,6 +438,23 @@ def exact_floats(stage: nn.Module, lib: ctypes.CDLL | None) -> int:
             cast(RowLinear, m).lib = lib
             n += 1
     return n
+
+
+class Stage(Protocol):
+    """What the stage-wide functions here read and replace of a ``shards.model.Stage``
+    (described here, not imported: that module imports this one)."""
+
+    config: ModelConfig
+    layers: nn.ModuleDict
+    output: nn.Linear | QuantLinear | None
+    tok_embeddings: nn.Embedding | QuantEmbedding | None
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 def _swap_linears(stage: Stage, make: Callable[[str, nn.Linear], nn.Module | None]) -> None:

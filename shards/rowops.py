@@ -26,7 +26,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast, overload
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +35,7 @@ from torch import Tensor
 from shards import qblocks
 from shards.qlinear import QuantLinear, RowLinear
 
-if TYPE_CHECKING:  # (shards.model imports this module)
-    from shards.model import AnyLinear, Block, RMSNorm
+from shards.layers import AnyLinear, Block, RMSNorm
 
 SOURCE = qblocks.SOURCE.with_name("rowops.c")
 _BF16 = torch.bfloat16

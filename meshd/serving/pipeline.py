@@ -18,7 +18,7 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import structlog
 import torch
@@ -29,9 +29,6 @@ from meshd.errors import NoCapacity, PeerLost, StageFailed, SupernodeChanged
 from protocol.messages import Assignment, NodeId, Segment
 from shards.engine import Score, StageEngine
 from shards.sampling import prompt_scores
-
-if TYPE_CHECKING:  # the scheduler imports this module
-    from meshd.serving.scheduler import Session
 
 log = structlog.get_logger()
 
@@ -44,6 +41,11 @@ PREFILL_CHUNK = 256
 WAVE_CHUNKS_PER_STAGE = 4
 MIN_WAVE_CHUNK = 64
 MAX_STEP_ATTEMPTS = 4  # re-plans one step may wait through before its sessions get a 503
+
+
+# A scheduler Session (serving/scheduler.py, which imports this module): the pipeline reads
+# its tokens, draft and cache position, and sets where its caches stand.
+Session = Any
 
 
 class Pick(Protocol):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shards.model import KVCache
+from shards.layers import KVCache
 
 # A shorter common prefix is not worth taking an entry over (and truncating it away
 # from the conversation it belongs to).
