@@ -323,16 +323,18 @@ class Leader:
             else:
                 excluded.update({n: r.reason for n, r in rejects.items()})
 
+        if view.is_supernode:
+            for link in list(view.links.values()):
+                with contextlib.suppress(PeerLost):
+                    await link.send(Commit(term))
         if not view.is_supernode:
-            # While this plan loaded, this peer accepted the plan of the peer it now
-            # elects (it led alone while cut off, and rejoined): activating this one
-            # would put it on a term of its own, refusing the mesh's frames for good.
+            # While this plan loaded (or its Commits went out), this peer accepted the plan
+            # of the peer it now elects (it led alone while cut off, and rejoined; or that
+            # peer joined): activating this one would put it on a term of its own,
+            # refusing the mesh's frames for good.
             log.info("plan_abandoned", term=term, supernode=view.supernode)
             store.discard(engine)
             return
-        for link in list(view.links.values()):
-            with contextlib.suppress(PeerLost):
-                await link.send(Commit(term))
         store.use(engine)
         runners = {a.node: (self.local_runner(engine) if a.node == view.node_id else view.links[a.node])
                    for a in assignments}
@@ -455,7 +457,10 @@ class Leader:
         self.view.hold_term(plan.term)
         if self.view.is_supernode and sender != self.view.node_id:
             # The plan of the peer it elects can come before this peer's own re-election
-            # (a join settles first): its steps would wait on a plan of its own that never comes.
+            # (a join settles first): its steps would wait on a plan of its own that never
+            # comes. A negotiation of its own still running would put its plan back.
+            if self._lead_task is not None and not self._lead_task.done():
+                self._lead_task.cancel()
             self._yield_to(sender)
         self.view.set_supernode(sender)
         return None

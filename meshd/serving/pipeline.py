@@ -180,7 +180,9 @@ class Pipeline:
                 if start != len(s.tokens) - 1:
                     s.draft = []  # a draft rides only beside a decode row (not a prompt's or a replay's)
                 work.append((s, start, min(len(s.tokens) + len(s.draft) - start, PREFILL_CHUNK)))
-                s.kv_peak = max(s.kv_peak if start else 0, start + work[-1][2])
+                # Never lowered: a replay from 0 on a kept cache keeps its memory (a new plan's
+                # fresh caches hold less, which counts a little more than they hold at worst).
+                s.kv_peak = max(s.kv_peak, start + work[-1][2])
             try:
                 if engine is None:
                     raise PeerLost("this peer holds no head under the plan now")

@@ -388,32 +388,20 @@ class Scheduler:
             self._drop_later(self.prefix.stale(plan.term))
             if session.prompt_scores is None:  # a cached prefix's rows would go unscored
                 hit = self.prefix.find(session.tokens, plan.term)
-        if hit is not None and budget is not None and self.reserved_tokens + hit.held > budget:
-            hit = None  # its caches hold more than is left: the prefix is computed again instead
+        if hit is not None and budget is not None and self._refusal(session, max(need, hit.held), budget):
+            hit = None  # its caches hold more than there is room for: the prefix is computed again instead
         if hit is not None:
             need = max(need, hit.held)  # its caches keep the entry's memory, used or not
         if budget is not None:
-            if self.reserved_tokens + need > budget:  # even with the prefix cache emptied
-                raise NoCapacity(
-                    f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
-                    f"this request needs {need}; retry shortly"
-                )
-            held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
-            others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
-            if others > 0 and held + need > budget * CLIENT_SHARE:
-                raise NoCapacity(
-                    f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
-                    f"while others may need them), this request needs {need}; retry once one of its requests ends"
-                )
-            if batch and self.batch_reserved and self.batch_reserved + need > budget * BATCH_KV_SHARE:
-                raise NoCapacity(f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
-                                 f"{budget} positions); retry shortly")
+            if (refused := self._refusal(session, need, budget)) is not None:
+                raise NoCapacity(refused)
             taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
             evicted: list[str] = []
             while self.reserved_tokens + self.prefix.held - taken + need > budget:
                 # Always a key: with every entry but ``hit`` gone the checks above leave room.
-                if (gone := self.prefix.evict_one(keep=hit.key if hit is not None else None)) is not None:
-                    evicted.append(gone)
+                if (gone := self.prefix.evict_one(keep=hit.key if hit is not None else None)) is None:
+                    break
+                evicted.append(gone)
             self._drop_later(evicted)
         if hit is not None:
             assert plan is not None  # a hit is found only under a plan
@@ -436,6 +424,23 @@ class Scheduler:
             self._spawn(self._prefill_then_enqueue(session))
         else:
             self._enqueue(session)
+
+    def _refusal(self, session: Session, need: int, budget: int) -> str | None:
+        """Why ``need`` more KV positions cannot be admitted for ``session`` (None: they can),
+        with the prefix cache emptied if need be."""
+        if self.reserved_tokens + need > budget:
+            return (f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
+                    f"this request needs {need}; retry shortly")
+        held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
+        others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
+        if others > 0 and held + need > budget * CLIENT_SHARE:
+            return (f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
+                    f"while others may need them), this request needs {need}; retry once one of its requests ends")
+        if (session.priority is Priority.BATCH and self.batch_reserved
+                and self.batch_reserved + need > budget * BATCH_KV_SHARE):
+            return (f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
+                    f"{budget} positions); retry shortly")
+        return None
 
     def _enqueue(self, session: Session) -> None:
         """A new session (or one whose long prompt was prefilled beside the lanes) gets its
