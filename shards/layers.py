@@ -75,8 +75,13 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[1]
 
+    @classmethod
+    def room_for(cls, positions: int) -> int:
+        """The capacity a cache has once it has held ``positions`` (whole chunks; it never shrinks)."""
+        return -(-positions // cls.CHUNK) * cls.CHUNK
+
     def _grow(self, need: int) -> None:
-        cap = -(-need // self.CHUNK) * self.CHUNK
+        cap = self.room_for(need)
         nkv, _, hd = self.k.shape
         k = self.k.new_empty(nkv, cap, hd)
         v = self.v.new_empty(nkv, cap, hd)

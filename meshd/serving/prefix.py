@@ -32,11 +32,6 @@ MIN_REUSE = 16
 KV_CHUNK = KVCache.CHUNK  # positions a stage's cache grows by (and never gives back)
 
 
-def chunked(positions: int) -> int:
-    """The positions a stage's cache holds memory for once it has reached ``positions``."""
-    return -(-positions // KV_CHUNK) * KV_CHUNK
-
-
 @dataclass(frozen=True, slots=True)
 class Entry:
     tokens: tuple[int, ...]  # what the stages' caches hold, position by position
@@ -112,7 +107,7 @@ class PrefixCache:
         if not self.enabled or not tokens:
             return [key]
         self._remove(key)
-        entry = Entry(tuple(tokens), term, chunked(max(peak, len(tokens))))
+        entry = Entry(tuple(tokens), term, KVCache.room_for(max(peak, len(tokens))))
         self._entries[key] = entry
         self.tokens += len(tokens)
         self.held += entry.held
