@@ -78,7 +78,6 @@ class Pipeline:
         self._changed = asyncio.Condition()
         self._wait_s = wait_s
         self._unavailable = "no plan is active yet"
-        self._failed = ""  # why the last step failed (a replay waits for a newer plan)
         self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
         self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
@@ -108,8 +107,9 @@ class Pipeline:
         if self.on_plan is not None:
             self.on_plan(plan)
 
-    async def _wait_plan(self, newer_than: int | None) -> ActivePlan:
-        """The active plan, waiting (bounded) for one whose term is above ``newer_than``."""
+    async def _wait_plan(self, newer_than: int | None, failed: str = "") -> ActivePlan:
+        """The active plan, waiting (bounded) for one whose term is above ``newer_than``
+        (``failed``: why the waiting step failed under that term, for the error if none comes)."""
         deadline = time.monotonic() + self._wait_s
 
         def ready() -> bool:
@@ -121,18 +121,18 @@ class Pipeline:
                     raise SupernodeChanged(self._moved)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise NoCapacity(self._why_waiting(newer_than))
+                    raise NoCapacity(self._why_waiting(newer_than, failed))
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
-                    raise NoCapacity(self._why_waiting(newer_than)) from None
+                    raise NoCapacity(self._why_waiting(newer_than, failed)) from None
             assert self._plan is not None
             return self._plan
 
-    def _why_waiting(self, newer_than: int | None) -> str:
+    def _why_waiting(self, newer_than: int | None, failed: str) -> str:
         if self._plan is None or newer_than is None:
             return self._unavailable
-        return (f"a step failed under plan term {newer_than} ({self._failed}) and no new plan came "
+        return (f"a step failed under plan term {newer_than} ({failed}) and no new plan came "
                 f"within {self._wait_s:.0f} s")
 
     async def step(self, sessions: list, pick: Pick,
@@ -164,9 +164,10 @@ class Pipeline:
 
     async def _step(self, sessions: list, pick: Pick) -> dict[str, int | list[int] | None]:
         failed_term: int | None = None
+        failed = ""  # why the step failed under failed_term
         attempts = 0
         while True:
-            plan = await self._wait_plan(failed_term)
+            plan = await self._wait_plan(failed_term, failed)
             # The engine this step embeds with and samples from: a yield can swap the
             # peer's engine (a headless stage of the next supernode's plan) mid-step.
             engine = self._head_engine()
@@ -200,7 +201,7 @@ class Pipeline:
                     # loss, it made two re-plans of one loss. A step of an older term
                     # failing is explained by the newer plan.)
                     self.on_stage_failed(str(exc))
-                failed_term, self._failed = plan.term, str(exc)
+                failed_term, failed = plan.term, str(exc)
                 for s in sessions:
                     s.term = None
                 continue
