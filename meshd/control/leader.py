@@ -162,8 +162,7 @@ class Leader:
                 self._isolation_check = self.spawn(self._recheck_after(wait))
             self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, "cut off from every peer: waiting for them")
             return
-        if self._lead_task is not None and not self._lead_task.done():
-            self._lead_task.cancel()
+        self._stop_negotiating()
         if winner == self.view.node_id:
             if not self.view.is_supernode:  # the reason a 503 gives is this peer's, not the old supernode's
                 self.view.set_unavailable(NotServing.PLANNING, "this peer took over as supernode and is planning")
@@ -175,10 +174,16 @@ class Leader:
             self.view.set_supernode(winner)
             self.view.set_unavailable(NotServing.WAITING_FOR_PLAN, f"waiting for a plan from {winner}")
 
+    def _stop_negotiating(self) -> None:
+        if (task := self._lead_task) is not None and not task.done():
+            task.cancel()
+
     def _yield_to(self, winner: NodeId) -> None:
-        """This supernode gives the lead to ``winner``: the sessions running here go on at
+        """This supernode gives the lead to ``winner``: a negotiation of its own still
+        running stops (it would put its plan back), and the sessions running here go on at
         the new supernode at once (the entry peers resubmit theirs, the API hands on its
         own), not after a timeout."""
+        self._stop_negotiating()
         log.info("supernode_yields", to=winner)
         self.spawn(self.pipeline.suspend(f"supernode moved to {winner}", moved=True))
 
@@ -457,10 +462,7 @@ class Leader:
         self.view.hold_term(plan.term)
         if self.view.is_supernode and sender != self.view.node_id:
             # The plan of the peer it elects can come before this peer's own re-election
-            # (a join settles first): its steps would wait on a plan of its own that never
-            # comes. A negotiation of its own still running would put its plan back.
-            if self._lead_task is not None and not self._lead_task.done():
-                self._lead_task.cancel()
+            # (a join settles first): its steps would wait on a plan of its own that never comes.
             self._yield_to(sender)
         self.view.set_supernode(sender)
         return None
