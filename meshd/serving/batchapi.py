@@ -239,15 +239,13 @@ async def create_batch(request: web.Request) -> web.Response:
     if endpoint not in ENDPOINTS:
         raise BadRequest(f"endpoint {endpoint!r} is not supported: one of {', '.join(ENDPOINTS)}", param="endpoint")
     window = body.get("completion_window")
-    hours = WINDOW.match(window) if isinstance(window, str) else None
-    if not isinstance(window, str) or hours is None or int(hours.group(1)) > MAX_WINDOW_H:
+    if not isinstance(window, str) or (hours := WINDOW.match(window)) is None or int(hours.group(1)) > MAX_WINDOW_H:
         raise BadRequest(f'completion_window must be "24h" (or any whole hours up to {MAX_WINDOW_H}h)',
                          param="completion_window")
     file_id = body.get("input_file_id")
-    row = await runner.store.do(runner.store.get_file, file_id) if isinstance(file_id, str) else None
     owner = _owner(request)
-    if (row is None or not isinstance(file_id, str) or not owner.sees(row) or row["kind"] != "input"
-            or row["purpose"] != "batch"):
+    if (not isinstance(file_id, str) or (row := await runner.store.do(runner.store.get_file, file_id)) is None
+            or not owner.sees(row) or row["kind"] != "input" or row["purpose"] != "batch"):
         raise BadRequest(f"input_file_id {file_id!r} is not a file uploaded with purpose=batch on this peer",
                          param="input_file_id")
     batch = await runner.submit(file_id, endpoint, window, int(hours.group(1)) * 3600, _metadata(body.get("metadata")),

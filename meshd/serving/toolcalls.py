@@ -253,10 +253,8 @@ class CallParser:
         text = text.removeprefix(_MISTRAL_TAG)
         value, rest = _json_prefix(text)
         if isinstance(value, list) and not rest.strip():
-            found = [_call_from(v, "arguments") for v in value]
-            if any(c is None for c in found) or not found:
-                return None
-            return [c for c in found if c is not None]  # (every one of them)
+            found = [c for v in value if (c := _call_from(v, "arguments")) is not None]
+            return found if found and len(found) == len(value) else None  # every item a call, or none
         calls = []  # v11: name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         for part in text.split(_MISTRAL_TAG):
             name, sep, args = part.partition(_MISTRAL_ARGS)
