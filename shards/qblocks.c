@@ -149,6 +149,17 @@ typedef struct {
     const float *d, *d2;   /* [K / 32] scales */
     const float *sum;      /* [K / 32] the block's values summed as rounded (offset terms) */
     const int32_t *ls, *ls2; /* [K / 32 * 8] q's (q2's) codes summed in fours: a dpbusd lane's */
+    const float *dv;       /* [K / 32 * 8] the scale the SIMD dots are in (d, or d2 with two passes),
+                            * each 8 times: one load gives a block's (256-bit) or two adjacent
+                            * blocks' (512-bit), where broadcasts and an insert a row cost a third
+                            * of a drafted row's time. The same floats, so the same products. */
+    /* With two passes on AVX-512 (qb_matmul fills these; NULL otherwise): */
+    const int16_t *xw;     /* [K] both passes joined, 128 q + q2 (|.| <= 16383), a pair of blocks
+                            * (64 values) as two halves of 32: a dword lane l of the first takes
+                            * values 4l, 4l + 1, of the second 4l + 2, 4l + 3 (see acc_w2) */
+    const int32_t *lsc;    /* [K / 4] 128 ls + ls2: xw summed in fours */
+    const float *st;       /* the sums of the MT rows of this row's tile side by side: [K / 32][MT],
+                            * read through the tile's first row (zeros past the last row) */
 } xrow;
 
 static float round_block(const float *x, int8_t *q, float *err) {
@@ -263,21 +274,18 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
 
 /* acc += sw * (x block j . w) (both passes, joined: 128 p1 + p2 in units of d2 = d / 128):
  * w signed (ss), or unsigned (us) */
-static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw) {
+/* ``two``: x has a second pass (x->q2), a constant where inlined (no test a block) */
+static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw, const int two) {
     __m256i aw = _mm256_sign_epi8(w, w);
     __m256i p = dot_us(aw, _mm256_sign_epi8(load32(x->q + 32 * j), w));
-    if (!x->q2)
-        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
-    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
-    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+    if (two) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_loadu_ps(x->dv + 8 * j)), _mm256_cvtepi32_ps(p), acc);
 }
 
-static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw) {
+static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw, const int two) {
     __m256i p = dot_us(u, load32(x->q + 32 * j));
-    if (!x->q2)
-        return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d[j])), _mm256_cvtepi32_ps(p), acc);
-    p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
-    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(x->d2[j])), _mm256_cvtepi32_ps(p), acc);
+    if (two) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
+    return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_loadu_ps(x->dv + 8 * j)), _mm256_cvtepi32_ps(p), acc);
 }
 
 #if defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
@@ -292,51 +300,76 @@ static inline __m512i pair_si(__m256i a, __m256i b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
 }
 
+/* Two passes in one integer dot (vpdpwssd on int16), not two dpbusd joined by a shift and an
+ * add a row: the weights widened to int16 once for all the tile's rows, each row's 128 q + q2
+ * read as it is. A dword lane sums the same four products as dpbusd's lane (values 4l..4l+3:
+ * the first half's pair, then the second's), in exact integers, so the same int32 as before:
+ * the same floats after. A drafted row's dots cost about half (measured in the commit). */
+static inline __m512i lanes_lo(__m512i u) {  /* bytes 4l, 4l + 1 of each dword -> int16, zero-extended */
+    return _mm512_shuffle_epi8(u, _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1)));
+}
+static inline __m512i lanes_hi(__m512i u) {  /* bytes 4l + 2, 4l + 3 */
+    return _mm512_shuffle_epi8(u, _mm512_broadcast_i32x4(
+        _mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1)));
+}
+static inline __m512i signed_lo(__m512i w) {  /* as lanes_lo, sign-extended: the byte to a word's top, shifted back */
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(
+        _mm_setr_epi8(-1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13))), 8);
+}
+static inline __m512i signed_hi(__m512i w) {
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(w, _mm512_broadcast_i32x4(
+        _mm_setr_epi8(-1, 2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15))), 8);
+}
+
+/* acc += sw * (x blocks j, j + 1 . w), two passes, w widened ([lo | hi] of lanes_lo/hi);
+ * ``shift``: codes offset by 2^shift, taken off in integers as acc_off2 does (0: none). */
+static inline __m512 acc_w2(__m512 acc, __m512i lo, __m512i hi, const xrow *x, int64_t j, __m512 sw,
+                            const int shift) {
+    __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(x->xw + 32 * j)));
+    p = _mm512_dpwssd_epi32(p, hi, _mm512_loadu_si512((const void *)(x->xw + 32 * j + 32)));
+    if (shift) p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->lsc + 8 * j)), shift));
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_loadu_ps(x->dv + 8 * j)), _mm512_cvtepi32_ps(p), acc);
+}
+
 /* acc += sw * (x blocks j, j + 1 . w), w signed [block j | block j + 1]; as acc_ss */
-static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw) {
+static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw, const int two) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i aw = _mm512_abs_epi8(w);
     __mmask64 neg = _mm512_movepi8_mask(w);
     __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * j));
     __m512i p = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-    if (!x->q2)
-        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
-                               _mm512_cvtepi32_ps(p), acc);
-    xv = _mm512_loadu_si512((const void *)(x->q2 + 32 * j));
-    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv)));
-    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
-                           _mm512_cvtepi32_ps(p), acc);
+    if (two) {
+        xv = _mm512_loadu_si512((const void *)(x->q2 + 32 * j));
+        p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv)));
+    }
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_loadu_ps(x->dv + 8 * j)), _mm512_cvtepi32_ps(p), acc);
 }
 /* acc += sw * (x blocks j, j + 1 . (u - 2^shift)), u unsigned: the offset taken off each
  * dpbusd lane in integers (the input's codes summed in the same fours), so the weights need
  * no sign tricks (Q5_0: codes 0..31 less 16, Q6_K: 0..63 less 32). Exact: the same sums as
  * acc_ss2's, 7-15% less time on Q5_0 at M=1. */
-static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, int shift) {
+static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, int shift,
+                              const int two) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i p = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q + 32 * j)));
     p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls + 8 * j)), shift));
-    if (!x->q2)
-        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
-                               _mm512_cvtepi32_ps(p), acc);
-    __m512i p2 = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j)));
-    p2 = _mm512_sub_epi32(p2, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls2 + 8 * j)), shift));
-    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), p2);
-    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
-                           _mm512_cvtepi32_ps(p), acc);
+    if (two) {
+        __m512i p2 = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j)));
+        p2 = _mm512_sub_epi32(p2, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls2 + 8 * j)), shift));
+        p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), p2);
+    }
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_loadu_ps(x->dv + 8 * j)), _mm512_cvtepi32_ps(p), acc);
 }
 
 /* acc += sw * (x blocks j, j + 1 . u), u unsigned codes with no offset (Q4_1: its minimum
  * is added apart, as a zero times the input block's sum) */
-static inline __m512 acc_us2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw) {
+static inline __m512 acc_us2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, const int two) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i p = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q + 32 * j)));
-    if (!x->q2)
-        return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d[j]), _mm256_set1_ps(x->d[j + 1]))),
-                               _mm512_cvtepi32_ps(p), acc);
-    __m512i p2 = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j)));
-    p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), p2);
-    return _mm512_fmadd_ps(_mm512_mul_ps(sw, pair_ps(_mm256_set1_ps(x->d2[j]), _mm256_set1_ps(x->d2[j + 1]))),
-                           _mm512_cvtepi32_ps(p), acc);
+    if (two) p = _mm512_add_epi32(_mm512_slli_epi32(p, 7),
+                                  _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j))));
+    return _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_loadu_ps(x->dv + 8 * j)), _mm512_cvtepi32_ps(p), acc);
 }
 
 /* A Q5_0 / Q5_1 block's codes 0..31 (qh at b, qs at b + 4): the fifth bits added as a mask. */
@@ -357,16 +390,23 @@ static inline void q5_0_pair(const uint8_t *row, int64_t i, __m512i *u, __m512 *
 
 /* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
  * (a prefill's), with two accumulators a row so that consecutive blocks do not wait on
- * each other's FMA. Inlined with mt a constant (1 to MT) so the accumulators stay in registers. */
-#define MT 4
+ * each other's FMA. Inlined with mt a constant (1 to MT) so the accumulators stay in registers.
+ * MT 8, not 4: a decode row with up to 7 drafted rows reads the weights from memory once (a
+ * 5-row step as 4 + 1 read them twice: the lone row cost as much as a decode step). */
+#define MT 8
 static inline __attribute__((always_inline)) void dot_tile(int type, const uint8_t *row, const xrow *x, int64_t K,
-                                                           float *out, const int mt) {
+                                                           float *out, const int mt, const int two) {
     __m256 acc[2][MT];
     float accz[MT];
     for (int r = 0; r < mt; r++) { acc[0][r] = acc[1][r] = _mm256_setzero_ps(); accz[r] = 0.0f; }
 #ifdef QB_512
     __m512 acc5[MT];
     for (int r = 0; r < mt; r++) acc5[r] = _mm512_setzero_ps();
+    __m256 zv = _mm256_setzero_ps();  /* accz of the tile's rows as lanes (x->st), where wide */
+#define ZV_OUT() do { float z_[MT]; _mm256_storeu_ps(z_, zv); for (int r = 0; r < mt; r++) accz[r] = z_[r]; } while (0)
+    /* Two passes joined in int16 (acc_w2) where the tile has rows to share the widening: a
+     * decode step's one row keeps the two dpbusd (the shuffles cost it 5%). Same bits. */
+    const int wide = two && mt > 1;
 #endif
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     switch (type) {
@@ -381,7 +421,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                                   _mm256_set1_epi8(16))
 #define Q5_0_S(I) _mm256_set1_ps(f16(row + 22 * (I)))
 #define SS_STEP(W, S, I, A) do { __m256i w = W(I); __m256 s = S(I); \
-        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s, two); } while (0)
 #define Q8_0_STEP(I, A) SS_STEP(Q8_0_W, Q8_0_S, I, A)
 #define Q5_0_STEP(I, A) SS_STEP(Q5_0_W, Q5_0_S, I, A)
 #define Q4_0_W(I) _mm256_sub_epi8(nibbles32(row + 18 * (I) + 2), _mm256_set1_epi8(8))
@@ -390,21 +430,30 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
 #define Q4_1_STEP(I, A) do { const uint8_t *b = row + 20 * (I); \
         __m256i u = nibbles32(b + 4); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
-        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s, two); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
 #define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
         __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
-        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s, two); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
 #ifdef QB_512
+    /* acc5 += (u - 2^SH) . x for blocks I, I + 1, u unsigned codes: two passes widened once */
+#define OFF2_STEP(U, S, I, SH) do { \
+        if (wide) { __m512i lo = lanes_lo(U), hi = lanes_hi(U); \
+            for (int r = 0; r < mt; r++) acc5[r] = acc_w2(acc5[r], lo, hi, &x[r], (I), (S), (SH)); } \
+        else for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], (U), &x[r], (I), (S), (SH), two); } while (0)
     /* two blocks a 512-bit register; an odd last block on its own */
     case Q8_0: {  /* signed: the sign tricks (measured: offsets in integers were 20% slower here) */
         int64_t i = 0;
         for (; i + 1 < K / 32; i += 2) {
             __m512i w = pair_si(Q8_0_W(i), Q8_0_W(i + 1));
             __m512 s = pair_ps(Q8_0_S(i), Q8_0_S(i + 1));
-            for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w, &x[r], i, s);
+            if (wide) {
+                __m512i lo = signed_lo(w), hi = signed_hi(w);
+                for (int r = 0; r < mt; r++) acc5[r] = acc_w2(acc5[r], lo, hi, &x[r], i, s, 0);
+            } else
+                for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w, &x[r], i, s, two);
         }
         if (i < K / 32) Q8_0_STEP(i, 0);
         break;
@@ -415,7 +464,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
             __m512i u;
             __m512 s;
             q5_0_pair(row, i, &u, &s);
-            for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], u, &x[r], i, s, 4);
+            OFF2_STEP(u, s, i, 4);
         }
         if (i < K / 32) Q5_0_STEP(i, 0);
         break;
@@ -426,7 +475,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
             const uint8_t *b0 = row + 18 * i, *b1 = b0 + 18;
             __m512i u = pair_si(nibbles32(b0 + 2), nibbles32(b1 + 2));
             __m512 s = pair_ps(_mm256_set1_ps(f16(b0)), _mm256_set1_ps(f16(b1)));
-            for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], u, &x[r], i, s, 3);
+            OFF2_STEP(u, s, i, 3);
         }
         if (i < K / 32) Q4_0_STEP(i, 0);
         break;
@@ -438,11 +487,20 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
             __m512i u = pair_si(nibbles32(b0 + 4), nibbles32(b1 + 4));
             __m512 s = pair_ps(_mm256_set1_ps(f16(b0)), _mm256_set1_ps(f16(b1)));
             float z0 = f16(b0 + 2), z1 = f16(b1 + 2);
-            for (int r = 0; r < mt; r++) {
-                acc5[r] = acc_us2(acc5[r], u, &x[r], i, s);
-                accz[r] += z0 * x[r].sum[i] + z1 * x[r].sum[i + 1];
-            }
+            if (wide) {
+                __m512i lo = lanes_lo(u), hi = lanes_hi(u);
+                for (int r = 0; r < mt; r++) acc5[r] = acc_w2(acc5[r], lo, hi, &x[r], i, s, 0);
+                /* the minimum's terms of the tile's rows side by side: each lane the same
+                 * operations as accz[r] += z0 * sum[i] + z1 * sum[i + 1] */
+                zv = _mm256_add_ps(zv, _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(z0), _mm256_loadu_ps(x->st + MT * i)),
+                                                     _mm256_mul_ps(_mm256_set1_ps(z1), _mm256_loadu_ps(x->st + MT * i + MT))));
+            } else
+                for (int r = 0; r < mt; r++) {
+                    acc5[r] = acc_us2(acc5[r], u, &x[r], i, s, two);
+                    accz[r] += z0 * x[r].sum[i] + z1 * x[r].sum[i + 1];
+                }
         }
+        if (wide) ZV_OUT();
         if (i < K / 32) Q4_1_STEP(i, 0);
         break;
     }
@@ -476,7 +534,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                     __m256 sb_ = _mm256_setr_ps(d * q[2], d * q[2], d * q[2], d * q[2], d * q[3], d * q[3], d * q[3], d * q[3]);
                     __m512i u = pair_si(c[k], c[k + 1]);  /* codes 0..63, the 32 taken off in integers */
                     __m512 s_ = pair_ps(sa, sb_);
-                    for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], u, &x[r], j, s_, 5);
+                    OFF2_STEP(u, s_, j, 5);
                 }
 #else
                 _Pragma("GCC unroll 4")
@@ -485,7 +543,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                     float s0 = d * (float)sc[8 * h + 2 * k], s1 = d * (float)sc[8 * h + 2 * k + 1];
                     __m256 s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
                     __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
-                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s);
+                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s, two);
                 }
 #endif
             }
@@ -510,7 +568,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                 __m256 s = _mm256_set1_ps(d * (float)sc);
                 float zm = dmin * (float)m;
                 for (int r = 0; r < mt; r++) {
-                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s);
+                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s, two);
                     accz[r] -= zm * x[r].sum[j];
                 }
             }
@@ -528,18 +586,29 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     }
 }
 
-static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+/* The rows of a call all have two passes or all one (qb_matmul rounds them alike). */
+static inline __attribute__((always_inline)) void dot_rows_n(int type, const uint8_t *row, const xrow *x,
+                                                             int64_t M, int64_t K, float *out, const int two) {
     int64_t m = 0;
-    for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT);
+    for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT, two);
     /* The rest in one tile, not row by row: a decode row with 1-2 drafted rows beside it
      * decoded each weight block once per row (3 rows cost 2.8x one). A row's sums are the
      * same operations in the same order whatever the tile (no FMA contraction: -ffp-contract=off). */
     switch (M - m) {
-    case 3: dot_tile(type, row, x + m, K, out + m, 3); break;
-    case 2: dot_tile(type, row, x + m, K, out + m, 2); break;
-    case 1: dot_tile(type, row, x + m, K, out + m, 1); break;
+    case 7: dot_tile(type, row, x + m, K, out + m, 7, two); break;
+    case 6: dot_tile(type, row, x + m, K, out + m, 6, two); break;
+    case 5: dot_tile(type, row, x + m, K, out + m, 5, two); break;
+    case 4: dot_tile(type, row, x + m, K, out + m, 4, two); break;
+    case 3: dot_tile(type, row, x + m, K, out + m, 3, two); break;
+    case 2: dot_tile(type, row, x + m, K, out + m, 2, two); break;
+    case 1: dot_tile(type, row, x + m, K, out + m, 1, two); break;
     default: break;
     }
+}
+
+static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
+    if (M > 0 && x->q2) dot_rows_n(type, row, x, M, K, out, 1);
+    else dot_rows_n(type, row, x, M, K, out, 0);
 }
 #endif
 
@@ -554,12 +623,11 @@ static void dot2_q5_0(const uint8_t *ra, const uint8_t *rb, const xrow *x, int64
     for (int64_t i = 0; i + 1 < K / 32; i += 2) {
         __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * i));
         __m512i ls = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls + 8 * i)), 4);
-        __m512 dx = pair_ps(_mm256_set1_ps(x->d[i]), _mm256_set1_ps(x->d[i + 1]));
+        __m512 dx = _mm512_loadu_ps(x->dv + 8 * i);
         __m512i xv2 = zero, ls2 = zero;
         if (x->q2) {
             xv2 = _mm512_loadu_si512((const void *)(x->q2 + 32 * i));
             ls2 = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls2 + 8 * i)), 4);
-            dx = pair_ps(_mm256_set1_ps(x->d2[i]), _mm256_set1_ps(x->d2[i + 1]));
         }
 #define Q5_0_ROW2(R, ACC) do { \
             __m512i u; \
@@ -681,13 +749,42 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     float *xf = malloc(sizeof(float) * (size_t)(3 * M * nb) + 64);
     xrow *xr = malloc(sizeof(xrow) * (size_t)(M + 1));
     int32_t *xl = malloc(sizeof(int32_t) * (size_t)(2 * M * (K / 4)) + 64);
-    if (!xq || !xf || !xr || !xl) { free(xq); free(xf); free(xr); free(xl); return -2; }
+    float *xv = malloc(sizeof(float) * (size_t)(8 * M * nb) + 64);
+    int wide = 0;  /* the two passes joined in int16 (xrow's xw, lsc, st) */
+#ifdef QB_512
+    wide = two && !scalar;
+#endif
+    int16_t *xw = wide ? malloc(sizeof(int16_t) * (size_t)(M * K) + 64) : NULL;
+    int32_t *xc = wide ? malloc(sizeof(int32_t) * (size_t)(M * (K / 4)) + 64) : NULL;
+    float *xs = wide ? calloc((size_t)((M + MT - 1) / MT * MT * nb) + 16, sizeof(float)) : NULL;
+    if (!xq || !xf || !xr || !xl || !xv || (wide && (!xw || !xc || !xs))) {
+        free(xq); free(xf); free(xr); free(xl); free(xv); free(xw); free(xc); free(xs);
+        return -2;
+    }
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = xq + 2 * m * K, *q2 = two ? q + K : NULL;
-        float *d = xf + 3 * m * nb;
+        float *d = xf + 3 * m * nb, *dv = xv + 8 * m * nb;
         int32_t *ls = xl + 2 * m * (K / 4);
         quantize(x + m * K, K, q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4, !scalar);
-        xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4};
+        for (int64_t b = 0; b < nb; b++)
+            for (int l = 0; l < 8; l++) dv[8 * b + l] = two ? d[nb + b] : d[b];
+        xr[m] = (xrow){q, q2, d, d + nb, d + 2 * nb, ls, ls + K / 4, dv, NULL, NULL, NULL};
+        if (wide) {
+            int16_t *w = xw + m * K;
+            int32_t *c = xc + m * (K / 4);
+            float *st = xs + m / MT * MT * nb;
+            for (int64_t p = 0; p + 64 <= K; p += 64)  /* whole pairs of blocks; an odd last one runs on q, q2 */
+                for (int l = 0; l < 16; l++)
+                    for (int e = 0; e < 2; e++) {
+                        w[p + 2 * l + e] = (int16_t)(128 * q[p + 4 * l + e] + q2[p + 4 * l + e]);
+                        w[p + 32 + 2 * l + e] = (int16_t)(128 * q[p + 4 * l + 2 + e] + q2[p + 4 * l + 2 + e]);
+                    }
+            for (int64_t i = 0; i < K / 4; i++) c[i] = 128 * ls[i] + ls[K / 4 + i];
+            for (int64_t b = 0; b < nb; b++) st[MT * b + m % MT] = d[2 * nb + b];
+            xr[m].xw = w;
+            xr[m].lsc = c;
+            xr[m].st = st;
+        }
     }
     dot_rows_fn dot = dot_rows_scalar;
 #ifdef QB_AVX2
@@ -711,11 +808,11 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < nn; j++) y[m * ldy + n0 + j] = out[j * M + m];
         }
-        free(xq); free(xf); free(xr); free(xl);
+        free(xq); free(xf); free(xr); free(xl); free(xv); free(xw); free(xc); free(xs);
         return 0;
     }
     float *yt = malloc(sizeof(float) * (size_t)(M * N) + 64);  /* [N, M]: each row's outputs together */
-    if (!yt) { free(xq); free(xf); free(xr); free(xl); return -2; }
+    if (!yt) { free(xq); free(xf); free(xr); free(xl); free(xv); free(xw); free(xc); free(xs); return -2; }
     int two_rows = 0;  /* a decode step's Q5_0: two weight rows a pass (dot2_q5_0) */
 #ifdef QB_512
     two_rows = !scalar && type == Q5_0 && M == 1 && (K / 32) % 2 == 0;
@@ -740,7 +837,7 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     else
         for (int64_t n = 0; n < N; n++)
             for (int64_t m = 0; m < M; m++) y[m * ldy + n] = yt[n * M + m];
-    free(xq); free(xf); free(xr); free(xl); free(yt);
+    free(xq); free(xf); free(xr); free(xl); free(xv); free(xw); free(xc); free(xs); free(yt);
     return 0;
 }
 
