@@ -305,7 +305,9 @@ def build_config(
 
 
 # Variables with the MESHD_ prefix that are not configuration keys.
-_NOT_CONFIG_ENV = frozenset({"MESHD_CONFIG", "MESHD_TEST_MODEL_DIR"})
+# Read elsewhere: the config file's path, the test suite's model, and where shards/qblocks.py
+# keeps its built kernel (shards/ imports nothing of meshd/, so it reads its own variable).
+_NOT_CONFIG_ENV = frozenset({"MESHD_CONFIG", "MESHD_TEST_MODEL_DIR", "MESHD_KERNEL_CACHE"})
 
 
 def replace(config: Config, **changes: Any) -> Config:

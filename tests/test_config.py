@@ -58,6 +58,12 @@ def test_unknown_environment_variable_is_named():
         build_config(environ={"MESHD_PROT": "1"})
 
 
+def test_the_kernel_cache_variable_does_not_stop_the_daemon():
+    """shards/qblocks.py documents $MESHD_KERNEL_CACHE; a daemon started with it set refused
+    to start ("unknown environment variable")."""
+    assert build_config(environ={"MESHD_KERNEL_CACHE": "/var/cache/meshd"}).port == build_config(environ={}).port
+
+
 @pytest.mark.parametrize("source, named", [
     ({"file": "port = 70000\n"}, "port"),
     ({"file": 'port = "eighty"\n'}, "port"),
