@@ -274,17 +274,16 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
 
 /* acc += sw * (x block j . w) (both passes, joined: 128 p1 + p2 in units of d2 = d / 128):
  * w signed (ss), or unsigned (us) */
-/* ``two``: x has a second pass (x->q2), a constant where inlined (no test a block) */
-static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw, const int two) {
+static inline __m256 acc_ss(__m256 acc, __m256i w, const xrow *x, int64_t j, __m256 sw) {
     __m256i aw = _mm256_sign_epi8(w, w);
     __m256i p = dot_us(aw, _mm256_sign_epi8(load32(x->q + 32 * j), w));
-    if (two) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
+    if (x->q2) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(aw, _mm256_sign_epi8(load32(x->q2 + 32 * j), w)));
     return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_loadu_ps(x->dv + 8 * j)), _mm256_cvtepi32_ps(p), acc);
 }
 
-static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw, const int two) {
+static inline __m256 acc_us(__m256 acc, __m256i u, const xrow *x, int64_t j, __m256 sw) {
     __m256i p = dot_us(u, load32(x->q + 32 * j));
-    if (two) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
+    if (x->q2) p = _mm256_add_epi32(_mm256_slli_epi32(p, 7), dot_us(u, load32(x->q2 + 32 * j)));
     return _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_loadu_ps(x->dv + 8 * j)), _mm256_cvtepi32_ps(p), acc);
 }
 
@@ -333,13 +332,13 @@ static inline __m512 acc_w2(__m512 acc, __m512i lo, __m512i hi, const xrow *x, i
 }
 
 /* acc += sw * (x blocks j, j + 1 . w), w signed [block j | block j + 1]; as acc_ss */
-static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw, const int two) {
+static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __m512 sw) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i aw = _mm512_abs_epi8(w);
     __mmask64 neg = _mm512_movepi8_mask(w);
     __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * j));
     __m512i p = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-    if (two) {
+    if (x->q2) {
         xv = _mm512_loadu_si512((const void *)(x->q2 + 32 * j));
         p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv)));
     }
@@ -349,12 +348,11 @@ static inline __m512 acc_ss2(__m512 acc, __m512i w, const xrow *x, int64_t j, __
  * dpbusd lane in integers (the input's codes summed in the same fours), so the weights need
  * no sign tricks (Q5_0: codes 0..31 less 16, Q6_K: 0..63 less 32). Exact: the same sums as
  * acc_ss2's, 7-15% less time on Q5_0 at M=1. */
-static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, int shift,
-                              const int two) {
+static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, int shift) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i p = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q + 32 * j)));
     p = _mm512_sub_epi32(p, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls + 8 * j)), shift));
-    if (two) {
+    if (x->q2) {
         __m512i p2 = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j)));
         p2 = _mm512_sub_epi32(p2, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls2 + 8 * j)), shift));
         p = _mm512_add_epi32(_mm512_slli_epi32(p, 7), p2);
@@ -364,10 +362,10 @@ static inline __m512 acc_off2(__m512 acc, __m512i u, const xrow *x, int64_t j, _
 
 /* acc += sw * (x blocks j, j + 1 . u), u unsigned codes with no offset (Q4_1: its minimum
  * is added apart, as a zero times the input block's sum) */
-static inline __m512 acc_us2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw, const int two) {
+static inline __m512 acc_us2(__m512 acc, __m512i u, const xrow *x, int64_t j, __m512 sw) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i p = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q + 32 * j)));
-    if (two) p = _mm512_add_epi32(_mm512_slli_epi32(p, 7),
+    if (x->q2) p = _mm512_add_epi32(_mm512_slli_epi32(p, 7),
                                   _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512((const void *)(x->q2 + 32 * j))));
     return _mm512_fmadd_ps(_mm512_mul_ps(sw, _mm512_loadu_ps(x->dv + 8 * j)), _mm512_cvtepi32_ps(p), acc);
 }
@@ -391,11 +389,11 @@ static inline void q5_0_pair(const uint8_t *row, int64_t i, __m512i *u, __m512 *
 /* out[r] = row . x[r] for r < mt: each weight block is decoded once for mt input rows
  * (a prefill's), with two accumulators a row so that consecutive blocks do not wait on
  * each other's FMA. Inlined with mt a constant (1 to MT) so the accumulators stay in registers.
- * MT 8, not 4: a decode row with up to 7 drafted rows reads the weights from memory once (a
- * 5-row step as 4 + 1 read them twice: the lone row cost as much as a decode step). */
+ * ``wide`` (a constant too): two passes joined in int16 (acc_w2, x->xw), for the types that
+ * have it (wide_type); the other types' code is left out of those copies. */
 #define MT 8
 static inline __attribute__((always_inline)) void dot_tile(int type, const uint8_t *row, const xrow *x, int64_t K,
-                                                           float *out, const int mt, const int two) {
+                                                           float *out, const int mt, const int wide) {
     __m256 acc[2][MT];
     float accz[MT];
     for (int r = 0; r < mt; r++) { acc[0][r] = acc[1][r] = _mm256_setzero_ps(); accz[r] = 0.0f; }
@@ -404,9 +402,6 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     for (int r = 0; r < mt; r++) acc5[r] = _mm512_setzero_ps();
     __m256 zv = _mm256_setzero_ps();  /* accz of the tile's rows as lanes (x->st), where wide */
 #define ZV_OUT() do { float z_[MT]; _mm256_storeu_ps(z_, zv); for (int r = 0; r < mt; r++) accz[r] = z_[r]; } while (0)
-    /* Two passes joined in int16 (acc_w2) where the tile has rows to share the widening: a
-     * decode step's one row keeps the two dpbusd (the shuffles cost it 5%). Same bits. */
-    const int wide = two && mt > 1;
 #endif
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
     switch (type) {
@@ -421,7 +416,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                                   _mm256_set1_epi8(16))
 #define Q5_0_S(I) _mm256_set1_ps(f16(row + 22 * (I)))
 #define SS_STEP(W, S, I, A) do { __m256i w = W(I); __m256 s = S(I); \
-        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s, two); } while (0)
+        for (int r = 0; r < mt; r++) acc[A][r] = acc_ss(acc[A][r], w, &x[r], (I), s); } while (0)
 #define Q8_0_STEP(I, A) SS_STEP(Q8_0_W, Q8_0_S, I, A)
 #define Q5_0_STEP(I, A) SS_STEP(Q5_0_W, Q5_0_S, I, A)
 #define Q4_0_W(I) _mm256_sub_epi8(nibbles32(row + 18 * (I) + 2), _mm256_set1_epi8(8))
@@ -430,19 +425,19 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
 #define Q4_1_STEP(I, A) do { const uint8_t *b = row + 20 * (I); \
         __m256i u = nibbles32(b + 4); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
-        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s, two); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
 #define Q5_1_STEP(I, A) do { const uint8_t *b = row + 24 * (I); \
         __m256i u = _mm256_or_si256(nibbles32(b + 8), high_bits32(b + 4)); \
         __m256 s = _mm256_set1_ps(f16(b)); float z = f16(b + 2); \
-        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s, two); \
+        for (int r = 0; r < mt; r++) { acc[A][r] = acc_us(acc[A][r], u, &x[r], (I), s); \
                                         accz[r] += z * x[r].sum[(I)]; } } while (0)
 #ifdef QB_512
     /* acc5 += (u - 2^SH) . x for blocks I, I + 1, u unsigned codes: two passes widened once */
 #define OFF2_STEP(U, S, I, SH) do { \
         if (wide) { __m512i lo = lanes_lo(U), hi = lanes_hi(U); \
             for (int r = 0; r < mt; r++) acc5[r] = acc_w2(acc5[r], lo, hi, &x[r], (I), (S), (SH)); } \
-        else for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], (U), &x[r], (I), (S), (SH), two); } while (0)
+        else for (int r = 0; r < mt; r++) acc5[r] = acc_off2(acc5[r], (U), &x[r], (I), (S), (SH)); } while (0)
     /* two blocks a 512-bit register; an odd last block on its own */
     case Q8_0: {  /* signed: the sign tricks (measured: offsets in integers were 20% slower here) */
         int64_t i = 0;
@@ -453,7 +448,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                 __m512i lo = signed_lo(w), hi = signed_hi(w);
                 for (int r = 0; r < mt; r++) acc5[r] = acc_w2(acc5[r], lo, hi, &x[r], i, s, 0);
             } else
-                for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w, &x[r], i, s, two);
+                for (int r = 0; r < mt; r++) acc5[r] = acc_ss2(acc5[r], w, &x[r], i, s);
         }
         if (i < K / 32) Q8_0_STEP(i, 0);
         break;
@@ -496,7 +491,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                                                      _mm256_mul_ps(_mm256_set1_ps(z1), _mm256_loadu_ps(x->st + MT * i + MT))));
             } else
                 for (int r = 0; r < mt; r++) {
-                    acc5[r] = acc_us2(acc5[r], u, &x[r], i, s, two);
+                    acc5[r] = acc_us2(acc5[r], u, &x[r], i, s);
                     accz[r] += z0 * x[r].sum[i] + z1 * x[r].sum[i + 1];
                 }
         }
@@ -510,7 +505,7 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     case Q4_0: PAIRS(Q4_0_STEP); break;
     case Q4_1: PAIRS(Q4_1_STEP); break;
 #endif
-    case Q5_1: PAIRS(Q5_1_STEP); break;
+    case Q5_1: if (!wide) PAIRS(Q5_1_STEP); break;
     case Q6_K:
         for (int64_t sb = 0; sb < K / 256; sb++) {
             const uint8_t *b = row + 210 * sb;
@@ -543,14 +538,14 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                     float s0 = d * (float)sc[8 * h + 2 * k], s1 = d * (float)sc[8 * h + 2 * k + 1];
                     __m256 s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
                     __m256i w = _mm256_sub_epi8(c[k], _mm256_set1_epi8(32));
-                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s, two);
+                    for (int r = 0; r < mt; r++) acc[k & 1][r] = acc_ss(acc[k & 1][r], w, &x[r], j, s);
                 }
 #endif
             }
         }
         break;
     case Q4_K: case Q5_K:
-        for (int64_t sb = 0; sb < K / 256; sb++) {
+        for (int64_t sb = 0; sb < K / 256 && !wide; sb++) {
             const uint8_t *b = row + (type == Q4_K ? 144 : 176) * sb;
             const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
             float d = f16(b), dmin = f16(b + 2);
@@ -568,14 +563,14 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
                 __m256 s = _mm256_set1_ps(d * (float)sc);
                 float zm = dmin * (float)m;
                 for (int r = 0; r < mt; r++) {
-                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s, two);
+                    acc[g & 1][r] = acc_us(acc[g & 1][r], u, &x[r], j, s);
                     accz[r] -= zm * x[r].sum[j];
                 }
             }
         }
         break;
     default:
-        for (int r = 0; r < mt; r++) out[r] = dot_scalar(type, row, &x[r], K);
+        for (int r = 0; r < mt && !wide; r++) out[r] = dot_scalar(type, row, &x[r], K);
         return;
     }
     for (int r = 0; r < mt; r++) {
@@ -586,29 +581,43 @@ static inline __attribute__((always_inline)) void dot_tile(int type, const uint8
     }
 }
 
-/* The rows of a call all have two passes or all one (qb_matmul rounds them alike). */
-static inline __attribute__((always_inline)) void dot_rows_n(int type, const uint8_t *row, const xrow *x,
-                                                             int64_t M, int64_t K, float *out, const int two) {
+#ifdef QB_512
+static inline int wide_type(int type) {
+    return type == Q8_0 || type == Q5_0 || type == Q4_0 || type == Q4_1 || type == Q6_K;
+}
+#endif
+
+static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
     int64_t m = 0;
-    for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT, two);
+#ifdef QB_512
+    if (M >= 2 && x->xw && wide_type(type)) {
+        /* Tiles of 8: a decode row with up to 7 drafted rows reads the weights from memory
+         * once (as 4 + 1 a 5-row step read them twice: the lone row cost a decode step). A
+         * lone last row keeps the two dpbusd (the shuffles cost a single row 5%). */
+        for (; m + MT <= M; m += MT) dot_tile(type, row, x + m, K, out + m, MT, 1);
+        switch (M - m) {
+        case 7: dot_tile(type, row, x + m, K, out + m, 7, 1); break;
+        case 6: dot_tile(type, row, x + m, K, out + m, 6, 1); break;
+        case 5: dot_tile(type, row, x + m, K, out + m, 5, 1); break;
+        case 4: dot_tile(type, row, x + m, K, out + m, 4, 1); break;
+        case 3: dot_tile(type, row, x + m, K, out + m, 3, 1); break;
+        case 2: dot_tile(type, row, x + m, K, out + m, 2, 1); break;
+        case 1: dot_tile(type, row, x + m, K, out + m, 1, 0); break;
+        default: break;
+        }
+        return;
+    }
+#endif
+    for (; m + 4 <= M; m += 4) dot_tile(type, row, x + m, K, out + m, 4, 0);
     /* The rest in one tile, not row by row: a decode row with 1-2 drafted rows beside it
      * decoded each weight block once per row (3 rows cost 2.8x one). A row's sums are the
      * same operations in the same order whatever the tile (no FMA contraction: -ffp-contract=off). */
     switch (M - m) {
-    case 7: dot_tile(type, row, x + m, K, out + m, 7, two); break;
-    case 6: dot_tile(type, row, x + m, K, out + m, 6, two); break;
-    case 5: dot_tile(type, row, x + m, K, out + m, 5, two); break;
-    case 4: dot_tile(type, row, x + m, K, out + m, 4, two); break;
-    case 3: dot_tile(type, row, x + m, K, out + m, 3, two); break;
-    case 2: dot_tile(type, row, x + m, K, out + m, 2, two); break;
-    case 1: dot_tile(type, row, x + m, K, out + m, 1, two); break;
+    case 3: dot_tile(type, row, x + m, K, out + m, 3, 0); break;
+    case 2: dot_tile(type, row, x + m, K, out + m, 2, 0); break;
+    case 1: dot_tile(type, row, x + m, K, out + m, 1, 0); break;
     default: break;
     }
-}
-
-static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
-    if (M > 0 && x->q2) dot_rows_n(type, row, x, M, K, out, 1);
-    else dot_rows_n(type, row, x, M, K, out, 0);
 }
 #endif
 

@@ -55,7 +55,8 @@ TWO_PASS = True
 
 # -- building and loading the library ---------------------------------------------------------
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where built kernels are kept (the module's docstring says how it is chosen)."""
     if d := os.environ.get("MESHD_KERNEL_CACHE"):
         return Path(d)
     if d := os.environ.get("MESHD_STATE_DIR"):
@@ -65,7 +66,7 @@ def _cache_dir() -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The built kernel library, or None where it cannot be built or loaded here."""
-    return _load(os.environ.get("CC") or "cc", str(_cache_dir()))
+    return _load(os.environ.get("CC") or "cc", str(cache_dir()))
 
 
 def _cpu_id() -> bytes:
@@ -81,7 +82,7 @@ def _cpu_id() -> bytes:
 def build(source: Path) -> ctypes.CDLL | None:
     """``source`` (a C file of shards/) compiled with FLAGS and loaded, from the cache when
     built before; None where it cannot be built or loaded here (said once in the log)."""
-    return _build(os.environ.get("CC") or "cc", str(_cache_dir()), str(source))
+    return _build(os.environ.get("CC") or "cc", str(cache_dir()), str(source))
 
 
 @functools.cache

@@ -17,6 +17,7 @@ bounded in time and in count.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -30,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shards import qblocks, rowops
 from tests.netlab import Host, Lab, _pid_alive
 
 PORT = 8470
@@ -45,7 +47,18 @@ def daemon_env() -> dict[str, str]:
     """The caller's environment without MESHD_* (a Makefile's state dir must not leak in).
     One torch thread per daemon: several share 2 cores, and oversubscribed torch spins."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_")}
-    return env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return env | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} | _built_kernels()
+
+
+@functools.cache
+def _built_kernels() -> dict[str, str]:
+    """The C kernels built once here, in this suite's cache, for every daemon it starts: four
+    daemons of a mesh each compiling them at once, on 2 cores beside the other tests, took
+    the mesh past its 60 s to converge. (The cache is keyed by source, compiler and CPU, so a
+    daemon given another compiler still builds its own.)"""
+    qblocks.library()
+    qblocks.build(rowops.SOURCE)
+    return {"MESHD_KERNEL_CACHE": str(qblocks.cache_dir())}
 
 
 # -- HTTP from the pytest process ------------------------------------------------------
