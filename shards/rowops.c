@@ -12,6 +12,7 @@
  * differ from torch's in the last bits; every path of meshd runs the same code for the
  * same row, so one node and a mesh, batched or not, give the same floats.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -333,56 +334,85 @@ int ro_attend_rows(int64_t T, int threads, int64_t nq, int64_t nkv, int64_t hd, 
  *
  * scratch (float32): h [n, H], o [n, H], qkv [n, (nq + 2 nkv) hd], att [n, nq hd],
  * gu [n, 2 inter], p [n, inter], one after another.
- * The plan (int64, written once a block by rowops.py; floats as their 32 bits):
- *   0 H, 1 nq, 2 nkv, 3 hd, 4 inter, 5 gelu, 6..9 eps of the first norm, the middle add-norm,
- *   the last add and the q/k norms, 10 attention scale, 11..16 norm weights (attention, post-
- *   attention, ffn, post-ffn, q, k; 0 for none), 17 linears making q|k|v, 18 making gate|up,
- *   19..22 bf16 flags of the inputs h (q/k/v), att, h (gate/up), p; then each linear: n, k,
- *   bias (0 or float32 [n]), segments (-1: not run here), and per
- *   segment (ggml type, blocks, first row, rows). In order: the q/k/v ones, wo, the gate/up
- *   ones, w2.
- * rows: per row (K cache, V cache, capacity, position, first key) for ro_attend. */
+ * rows: per row (K cache, V cache, capacity, position, first key) for ro_attend.
+ *
+ * The plan of a block (ro_plan, written once a block by rowops.py): one description, these
+ * structs; rowops.py's ctypes Structures name the same fields, and the library is not used
+ * where their layouts differ (ro_layout, checked at load and by tests/test_rowops.py). */
+typedef struct {
+    int64_t type;                /* ggml type id (shards/qblocks.c) */
+    const uint8_t *blocks;
+    int64_t first, rows;         /* the output columns it makes: first .. first + rows - 1 */
+} ro_segment;
+
+typedef struct {
+    int64_t n, k;                /* out, in features */
+    const float *bias;           /* float32 [n], or NULL */
+    int64_t nseg;                /* its segments; -1: not run here (rowops.py runs it on another kernel) */
+    const ro_segment *seg;
+} ro_linear;
+
+typedef struct {
+    int64_t H, nq, nkv, hd, inter, gelu;
+    /* eps of the first norm, of the middle add-norm, of the last add, of the q/k norms; the
+     * attention scale */
+    float eps_attn, eps_mid, eps_last, eps_qk, scale;
+    /* norm weights (float32 [H], q/k: [hd]), NULL for none */
+    const float *w_attn, *w_post_attn, *w_ffn, *w_post_ffn, *w_q, *w_k;
+    int64_t n_qkv, n_gate_up;    /* linears making q|k|v, gate|up */
+    /* 1 where the input of a linear not run here is written as bf16: h (q/k/v), att, h (gate/up), p */
+    int64_t bf_h1, bf_att, bf_h5, bf_p;
+    const ro_linear *linear;     /* the q/k/v ones, wo, the gate/up ones, w2: n_qkv + n_gate_up + 2 */
+} ro_plan;
+
+/* The layout rowops.py checks its Structures against: the three sizes, then each struct's
+ * field offsets in order (plan, linear, segment). Returns how many it wrote (at most cap). */
+int ro_layout(int64_t *out, int cap) {
+    const int64_t v[] = {
+        sizeof(ro_plan), sizeof(ro_linear), sizeof(ro_segment),
+        offsetof(ro_plan, H), offsetof(ro_plan, nq), offsetof(ro_plan, nkv), offsetof(ro_plan, hd),
+        offsetof(ro_plan, inter), offsetof(ro_plan, gelu), offsetof(ro_plan, eps_attn), offsetof(ro_plan, eps_mid),
+        offsetof(ro_plan, eps_last), offsetof(ro_plan, eps_qk), offsetof(ro_plan, scale), offsetof(ro_plan, w_attn),
+        offsetof(ro_plan, w_post_attn), offsetof(ro_plan, w_ffn), offsetof(ro_plan, w_post_ffn), offsetof(ro_plan, w_q),
+        offsetof(ro_plan, w_k), offsetof(ro_plan, n_qkv), offsetof(ro_plan, n_gate_up), offsetof(ro_plan, bf_h1),
+        offsetof(ro_plan, bf_att), offsetof(ro_plan, bf_h5), offsetof(ro_plan, bf_p), offsetof(ro_plan, linear),
+        offsetof(ro_linear, n), offsetof(ro_linear, k), offsetof(ro_linear, bias), offsetof(ro_linear, nseg),
+        offsetof(ro_linear, seg),
+        offsetof(ro_segment, type), offsetof(ro_segment, blocks), offsetof(ro_segment, first), offsetof(ro_segment, rows),
+    };
+    int n = (int)(sizeof v / sizeof v[0]);
+    for (int i = 0; i < n && i < cap; i++) out[i] = v[i];
+    return n;
+}
+
 typedef int (*ro_matmul)(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                          int64_t ldy, int threads, int scalar, int two);
 
-static float bits_f(int64_t v) {
-    union { int32_t i; float f; } u = {.i = (int32_t)v};
-    return u.f;
-}
-
-static const void *ptr_of(int64_t v) { return (const void *)(intptr_t)v; }
-
-/* The plan's linear at p (run when ``run``) over x [m, k] into y (rows ldy apart); returns the
- * next one. */
-static const int64_t *run_linear(const int64_t *p, int run, ro_matmul mm, const float *x, int64_t m, float *y,
-                                 int64_t ldy, int threads, int two, int *rc) {
-    int64_t n = p[0], k = p[1], nseg = p[3];
-    const float *bias = ptr_of(p[2]);
-    const int64_t *s = p + 4, *next = s + 4 * (nseg > 0 ? nseg : 0);
-    if (!run || nseg < 0) return next;
-    for (; s < next; s += 4) {
-        int e = mm((int)s[0], ptr_of(s[1]), s[3], k, x, m, y + s[2], ldy, threads, 0, two);
+/* The linear L (run when ``run``) over x [m, k] into y (rows ldy apart). */
+static void run_linear(const ro_linear *L, int run, ro_matmul mm, const float *x, int64_t m, float *y,
+                       int64_t ldy, int threads, int two, int *rc) {
+    if (!run || L->nseg < 0) return;
+    for (int64_t i = 0; i < L->nseg; i++) {
+        const ro_segment *s = &L->seg[i];
+        int e = mm((int)s->type, s->blocks, s->rows, L->k, x, m, y + s->first, ldy, threads, 0, two);
         if (e && !*rc) *rc = e;
     }
-    if (bias)
+    if (L->bias)
         for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < n; j++) y[r * ldy + j] = y[r * ldy + j] + bias[j];
-    return s;
+            for (int64_t j = 0; j < L->n; j++) y[r * ldy + j] = y[r * ldy + j] + L->bias[j];
 }
 
 /* Steps first .. last - 1 of the block for n decode rows of x [n, H] (updated in place).
  * ext (rows ext_ld apart, bf16 when ext_bf16): the output of step first - 1 when rowops.py ran
  * it (a linear on another kernel), read in place of scratch; NULL when there is none. The
- * inputs of such linears are written in the dtype they take (plan[19..22], bf16 when set:
+ * inputs of such linears are written in the dtype they take (the plan's bf_ flags, bf16 when set:
  * h for q/k/v, att, h for gate/up, p), as the step-by-step path writes them. */
-int ro_block(const int64_t *plan, ro_matmul mm, int threads, int two, int64_t n, float *x, const float *cos,
+int ro_block(const ro_plan *pl, ro_matmul mm, int threads, int two, int64_t n, float *x, const float *cos,
              const float *ssin, const int64_t *rows, float *scratch, int first, int last, const void *ext,
              int64_t ext_ld, int ext_bf16) {
-    int64_t H = plan[0], nq = plan[1], nkv = plan[2], hd = plan[3], inter = plan[4];
+    int64_t H = pl->H, nq = pl->nq, nkv = pl->nkv, hd = pl->hd, inter = pl->inter;
     int64_t qd = nq * hd, wqkv = (nq + 2 * nkv) * hd;
-    const float *w_attn = ptr_of(plan[11]), *w_post_attn = ptr_of(plan[12]), *w_ffn = ptr_of(plan[13]);
-    const float *w_post_ffn = ptr_of(plan[14]), *w_q = ptr_of(plan[15]), *w_k = ptr_of(plan[16]);
-    int bf_h1 = (int)plan[19], bf_att = (int)plan[20], bf_h5 = (int)plan[21], bf_p = (int)plan[22];
+    int bf_h1 = (int)pl->bf_h1, bf_att = (int)pl->bf_att, bf_h5 = (int)pl->bf_h5, bf_p = (int)pl->bf_p;
     float *h = scratch, *o = h + n * H, *qkv = o + n * H, *att = qkv + n * wqkv, *gu = att + n * qd;
     float *p = gu + 2 * n * inter;
     /* where steps 2, 4, 6 and 8 read the linear before them: scratch, or ext */
@@ -395,35 +425,33 @@ int ro_block(const int64_t *plan, ro_matmul mm, int threads, int two, int64_t n,
     }
     int rc = 0;
 #define STEP(i) (first <= (i) && (i) < last && !rc)
-    if (STEP(0)) rc = ro_add_norm(n, H, x, H, NULL, 0, 0, NULL, w_attn, bits_f(plan[6]), h, H, bf_h1);
-    const int64_t *lp = plan + 23;
-    for (int64_t i = 0, col = 0; i < plan[17]; i++) {
-        int64_t cols = lp[0];
-        lp = run_linear(lp, STEP(1), mm, h, n, qkv + col, wqkv, threads, two, &rc);
-        col += cols;
+    if (STEP(0)) rc = ro_add_norm(n, H, x, H, NULL, 0, 0, NULL, pl->w_attn, pl->eps_attn, h, H, bf_h1);
+    const ro_linear *L = pl->linear;
+    for (int64_t i = 0, col = 0; i < pl->n_qkv; i++, L++) {
+        run_linear(L, STEP(1), mm, h, n, qkv + col, wqkv, threads, two, &rc);
+        col += L->n;
     }
     for (int64_t r = 0; r < n && STEP(2); r++) {
         const int64_t *c = rows + 5 * r;
         const char *q = row(src[2], r, ld[2], bf[2]);
         int64_t es = bf[2] ? 2 : 4;
-        rc = ro_attend(nq, nkv, hd, q, bf[2], q + qd * es, bf[2], q + (qd + nkv * hd) * es, bf[2], w_q, w_k,
-                       bits_f(plan[9]), cos + r * hd, ssin + r * hd, (float *)ptr_of(c[0]), (float *)ptr_of(c[1]),
-                       c[2], c[3], c[4], bits_f(plan[10]), row(att, r, qd, bf_att), bf_att);
+        rc = ro_attend(nq, nkv, hd, q, bf[2], q + qd * es, bf[2], q + (qd + nkv * hd) * es, bf[2], pl->w_q, pl->w_k,
+                       pl->eps_qk, cos + r * hd, ssin + r * hd, (float *)(intptr_t)c[0], (float *)(intptr_t)c[1],
+                       c[2], c[3], c[4], pl->scale, row(att, r, qd, bf_att), bf_att);
     }
-    lp = run_linear(lp, STEP(3), mm, att, n, o, H, threads, two, &rc);
-    if (STEP(4)) rc = ro_add_norm(n, H, x, H, src[4], ld[4], bf[4], w_post_attn, w_ffn, bits_f(plan[7]), h, H, bf_h5);
-    for (int64_t i = 0, col = 0; i < plan[18]; i++) {
-        int64_t cols = lp[0];
-        lp = run_linear(lp, STEP(5), mm, h, n, gu + col, 2 * inter, threads, two, &rc);
-        col += cols;
+    run_linear(L++, STEP(3), mm, att, n, o, H, threads, two, &rc);
+    if (STEP(4)) rc = ro_add_norm(n, H, x, H, src[4], ld[4], bf[4], pl->w_post_attn, pl->w_ffn, pl->eps_mid, h, H, bf_h5);
+    for (int64_t i = 0, col = 0; i < pl->n_gate_up; i++, L++) {
+        run_linear(L, STEP(5), mm, h, n, gu + col, 2 * inter, threads, two, &rc);
+        col += L->n;
     }
     if (STEP(6)) {
         int64_t es = bf[6] ? 2 : 4;
-        rc = ro_act_mul(n, inter, src[6], ld[6], bf[6], (const char *)src[6] + inter * es, ld[6], bf[6], (int)plan[5],
+        rc = ro_act_mul(n, inter, src[6], ld[6], bf[6], (const char *)src[6] + inter * es, ld[6], bf[6], (int)pl->gelu,
                         p, inter, bf_p);
     }
-    run_linear(lp, STEP(7), mm, p, n, o, H, threads, two, &rc);
-    if (STEP(8)) rc = ro_add_norm(n, H, x, H, src[8], ld[8], bf[8], w_post_ffn, NULL, bits_f(plan[8]), NULL, H, 0);
+    run_linear(L, STEP(7), mm, p, n, o, H, threads, two, &rc);
+    if (STEP(8)) rc = ro_add_norm(n, H, x, H, src[8], ld[8], bf[8], pl->w_post_ffn, NULL, pl->eps_last, NULL, H, 0);
 #undef STEP
     return rc;
 }

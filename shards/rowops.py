@@ -23,11 +23,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 import threading
 from collections.abc import Callable
 from typing import cast, overload
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,8 +37,45 @@ from shards.qlinear import QuantLinear, RowLinear
 
 from shards.layers import AnyLinear, Block, RMSNorm
 
+log = structlog.get_logger()
+
 SOURCE = qblocks.SOURCE.with_name("rowops.c")
 _BF16 = torch.bfloat16
+
+
+_I64, _VOIDP, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class Segment(ctypes.Structure):
+    """rowops.c's ro_segment: a run of a linear's output columns in one block type."""
+    _fields_ = [("type", _I64), ("blocks", _VOIDP), ("first", _I64), ("rows", _I64)]
+
+
+class Linear(ctypes.Structure):
+    """rowops.c's ro_linear (nseg -1: not run in C)."""
+    _fields_ = [("n", _I64), ("k", _I64), ("bias", _VOIDP), ("nseg", _I64), ("seg", ctypes.POINTER(Segment))]
+
+
+class BlockPlan(ctypes.Structure):
+    """rowops.c's ro_plan: a block as ``ro_block`` runs it (the fields are described there)."""
+    _fields_ = [("H", _I64), ("nq", _I64), ("nkv", _I64), ("hd", _I64), ("inter", _I64), ("gelu", _I64),
+                ("eps_attn", _F32), ("eps_mid", _F32), ("eps_last", _F32), ("eps_qk", _F32), ("scale", _F32),
+                ("w_attn", _VOIDP), ("w_post_attn", _VOIDP), ("w_ffn", _VOIDP), ("w_post_ffn", _VOIDP), ("w_q", _VOIDP),
+                ("w_k", _VOIDP), ("n_qkv", _I64), ("n_gate_up", _I64), ("bf_h1", _I64), ("bf_att", _I64),
+                ("bf_h5", _I64), ("bf_p", _I64), ("linear", ctypes.POINTER(Linear))]
+
+
+def layout() -> list[int]:
+    """The sizes and field offsets of the three Structures, in ``ro_layout``'s order."""
+    kinds = (BlockPlan, Linear, Segment)
+    return [ctypes.sizeof(k) for k in kinds] + [getattr(k, f[0]).offset for k in kinds for f in k._fields_]
+
+
+def c_layout(lib: ctypes.CDLL) -> list[int]:
+    """What the built library says of its structs (``ro_layout``)."""
+    out = (ctypes.c_int64 * 64)()
+    n = lib.ro_layout(out, 64)
+    return list(out[:n])
 
 
 def library_for(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
@@ -61,8 +98,12 @@ def _declared(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     lib.ro_attend_rows.argtypes = [i64, i32, i64, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, ptr, ptr,
                                    f32, ptr, ptr, ptr, ptr, i64, i64, i64, f32, ptr, i64, i32]
     lib.ro_block.argtypes = [ptr, ptr, i32, i32, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, ptr, i64, i32]
-    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_attend_rows, lib.ro_block):
+    lib.ro_layout.argtypes = [ptr, i32]
+    for f in (lib.ro_add_norm, lib.ro_act_mul, lib.ro_attend, lib.ro_attend_rows, lib.ro_block, lib.ro_layout):
         f.restype = ctypes.c_int
+    if c_layout(lib) != layout():  # a struct changed on one side only: the step-by-step path, not wrong reads
+        log.warning("rowops_unavailable", reason="rowops.c's structs and rowops.py's differ")
+        return None
     return lib
 
 
@@ -132,9 +173,9 @@ class _Whole:
     ``runs``, in order, ("c", first, last) for steps run in one C call and ("torch", step) for a
     linear on another kernel, run here between them. Keeps the tensors it points into."""
 
-    def __init__(self, plan: list[int], keep: list[Tensor], matmul: int | None, torch_steps: set[int], sizes: tuple,
+    def __init__(self, plan: BlockPlan, keep: list, matmul: int | None, torch_steps: set[int], sizes: tuple,
                  dtypes: tuple):
-        self.plan = torch.tensor(plan, dtype=torch.int64)
+        self.plan = plan
         self.keep, self.matmul, self.sizes, self.dtypes = keep, matmul, sizes, dtypes
         self.runs: list[tuple] = []
         first = 0
@@ -168,10 +209,6 @@ class _Whole:
 _scratch = threading.local()  # ro_block's buffer on this thread (_Whole.scratch)
 
 
-def _bits(v: float) -> int:  # a float as the 32 bits ctypes' c_float would pass
-    return struct.unpack("<i", struct.pack("<f", v))[0]
-
-
 def _eps(norm: RMSNorm | None, post: RMSNorm | None) -> float:  # add_norm's
     n = norm if norm is not None else post
     return n.eps if n is not None else 0.0
@@ -196,7 +233,7 @@ def _whole_plan(pl: _Plan, wo: AnyLinear, w2: AnyLinear) -> _Whole | None:
             or any(n is not None and n.weight.dtype != torch.float32 for n in norms)
             or not (in_c[1] or in_c[5] or pl.qkv.dtype == pl.gate_up.dtype)):  # (h is one buffer)
         return None
-    keep: list[Tensor] = []
+    keep: list = []  # what the plan points into: tensors and ctypes arrays
 
     def ptr(t: Tensor | None) -> int:
         if t is None:
@@ -204,18 +241,26 @@ def _whole_plan(pl: _Plan, wo: AnyLinear, w2: AnyLinear) -> _Whole | None:
         t = t.detach().contiguous()
         keep.append(t)
         return t.data_ptr()
-    H = pl.attention_norm.weight.shape[0]
-    plan = [H, pl.nq, pl.nkv, pl.hd, pl.inter, pl.gelu,
-            _bits(_eps(pl.attention_norm, None)), _bits(_eps(pl.ffn_norm, pl.post_attention_norm)),
-            _bits(_eps(None, pl.post_ffn_norm)), _bits(pl.eps), _bits(pl.scale),
-            *(ptr(None if n is None else n.weight) for n in norms), len(slots[1]), len(slots[5]),
-            *(int(takes[step] == _BF16) for step in (1, 3, 5, 7))]
+    linears = []
     for step, ms in slots.items():
         for m in ms:
             segs = cast(QuantLinear, m)._segments if in_c[step] else []  # (on the block kernel: a QuantLinear)
-            plan += [m.out_features, m.in_features, ptr(m.bias) if in_c[step] else 0, len(segs) if in_c[step] else -1]
-            for r0, r1, typ, blocks in segs:
-                plan += [qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0]
+            runs = (Segment * max(1, len(segs)))(*(Segment(qblocks.TYPES[typ][0], ptr(blocks), r0, r1 - r0)
+                                                  for r0, r1, typ, blocks in segs))
+            keep.append(runs)
+            linears.append(Linear(m.out_features, m.in_features, ptr(m.bias) if in_c[step] else 0,
+                                  len(segs) if in_c[step] else -1, runs))
+    table = (Linear * len(linears))(*linears)
+    keep.append(table)
+    n_attn, n_post_attn, n_ffn, n_post_ffn, n_q, n_k = (ptr(None if n is None else n.weight) for n in norms)
+    plan = BlockPlan(H=pl.attention_norm.weight.shape[0], nq=pl.nq, nkv=pl.nkv, hd=pl.hd, inter=pl.inter,
+                     gelu=int(pl.gelu), eps_attn=_eps(pl.attention_norm, None),
+                     eps_mid=_eps(pl.ffn_norm, pl.post_attention_norm), eps_last=_eps(None, pl.post_ffn_norm),
+                     eps_qk=pl.eps, scale=pl.scale, w_attn=n_attn, w_post_attn=n_post_attn, w_ffn=n_ffn,
+                     w_post_ffn=n_post_ffn, w_q=n_q, w_k=n_k, n_qkv=len(slots[1]), n_gate_up=len(slots[5]),
+                     bf_h1=int(takes[1] == _BF16), bf_att=int(takes[3] == _BF16), bf_h5=int(takes[5] == _BF16),
+                     bf_p=int(takes[7] == _BF16), linear=table)
+    H = plan.H
     wqkv = (pl.nq + 2 * pl.nkv) * pl.hd
     sizes = (H, H, wqkv, pl.nq * pl.hd, 2 * pl.inter, pl.inter)  # h, o, qkv, att, gu, p
     dtypes = (takes[5] if in_c[1] else takes[1], f32, f32, takes[3], f32, takes[7])  # as sizes
@@ -296,7 +341,7 @@ def _whole_block(lib: ctypes.CDLL, pl: _Plan, x: Tensor, cos: Tensor, sin: Tenso
             if ext is not None and ext.stride(-1) != 1:
                 ext = ext.contiguous()
             e = (0, 0, 0) if ext is None else (ext.data_ptr(), ext.stride(0), int(ext.dtype == _BF16))
-            _check(lib.ro_block(w.plan.data_ptr(), w.matmul, torch.get_num_threads(), int(qblocks.TWO_PASS), n,
+            _check(lib.ro_block(ctypes.addressof(w.plan), w.matmul, torch.get_num_threads(), int(qblocks.TWO_PASS), n,
                                 x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, scratch.data_ptr(), *run[1:], *e),
                    "block")
             ext = None

@@ -224,6 +224,22 @@ def test_without_a_compiler_the_torch_forward_runs(monkeypatch, tmp_path):
     assert rowops.library_for(torch.device("meta"), torch.float32) is None
 
 
+def test_the_c_structs_and_the_python_structures_are_one_layout(monkeypatch, tmp_path):
+    """A block's plan is rowops.c's ro_plan / ro_linear / ro_segment, which rowops.py fills as
+    ctypes Structures: where the two sides differ (a field added in C only), the library is
+    refused and the step-by-step path runs, instead of ro_block reading fields at the wrong
+    offsets."""
+    assert rowops.c_layout(LIB) == rowops.layout()
+    changed = tmp_path / "rowops.c"
+    source = rowops.SOURCE.read_text()
+    assert "    int64_t n_qkv, n_gate_up;" in source
+    changed.write_text(source.replace("    int64_t n_qkv, n_gate_up;", "    int64_t n_qkv, n_gate_up, added;", 1))
+    monkeypatch.setenv("MESHD_KERNEL_CACHE", str(tmp_path / "kernels"))
+    built = qblocks.build(changed)
+    assert built is not None
+    assert rowops._declared(built) is None
+
+
 needs_blocks = pytest.mark.skipif(qblocks.library() is None, reason="no C compiler to build shards/qblocks.c")
 
 
