@@ -30,10 +30,10 @@ from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
-    SUPERNODE_CHANGED,
     Assembler,
     ChoiceWriter,
     CompletionRequest,
+    MeshCode,
     chunk_json,
     completion_id,
     error_json,
@@ -60,9 +60,9 @@ def error_response(message: str, status: int, param: str | None = None, code: st
     return web.json_response(error_json(message, status, param, code), status=status)
 
 
-def _code(exc: BaseException) -> str | None:
+def _code(exc: BaseException) -> MeshCode | None:
     """SUPERNODE_CHANGED for a request the next supernode can take (an entry peer resubmits it)."""
-    return SUPERNODE_CHANGED if isinstance(exc, SupernodeChanged) else None
+    return MeshCode.SUPERNODE_CHANGED if isinstance(exc, SupernodeChanged) else None
 
 
 @web.middleware

@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from meshd.errors import BadRequest, ModelError
@@ -581,9 +582,24 @@ def chunk_json(req: CompletionRequest, cid: str, choice: dict, fingerprint: str 
             "system_fingerprint": fingerprint, "choices": [choice]}
 
 
-# The code of a 503 that an entry peer answers by asking the next supernode (this
-# one yielded or stops); a client that gets it (it came straight here) retries elsewhere.
-SUPERNODE_CHANGED = "supernode_changed"
+class MeshCode(StrEnum):
+    """The error codes an entry peer acts on in the supernode's answer, read once into this
+    enum (``of``) and compared as members, never as text."""
+
+    # A 503 that an entry peer answers by asking the next supernode (this one yielded or
+    # stops); a client that gets it (it came straight here) retries elsewhere.
+    SUPERNODE_CHANGED = "supernode_changed"
+    # Nothing can serve the request now (a full KV budget, no plan): the client gets the 503.
+    MESH_UNAVAILABLE = "mesh_unavailable"
+
+    @classmethod
+    def of(cls, value: object) -> MeshCode | None:
+        """The member ``value`` names; None for any other code (or none)."""
+        try:
+            return cls(value) if isinstance(value, str) else None
+        except ValueError:
+            return None
+
 
 
 class ChoiceWriter:
@@ -743,7 +759,7 @@ def error_json(message: str, status: int, param: str | None = None, code: str | 
     """OpenAI's error shape, as a body or as an event of a stream that fails."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     code = code or {404: "model_not_found" if param == "model" else "not_found", 409: "conflict",
-                    413: "request_too_large", 503: "mesh_unavailable", 507: "storage_full"}.get(status)
+                    413: "request_too_large", 503: MeshCode.MESH_UNAVAILABLE, 507: "storage_full"}.get(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

@@ -29,8 +29,8 @@ from meshd.serving.guards import CLIENT_KEY
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
-    SUPERNODE_CHANGED,
     Assembler,
+    MeshCode,
     completion_id,
     error_json,
     sse,
@@ -140,11 +140,12 @@ class _Refused:
     payload: bytes
 
 
-def _error_of(data: object) -> tuple[str, str | None]:
+def _error_of(data: object) -> tuple[str, MeshCode | None]:
+    """An OpenAI error body's message, and its code where it is one the proxy acts on."""
     err = data.get("error") if isinstance(data, dict) else None
     if not isinstance(err, dict):
         return "", None
-    return str(err.get("message", "")), err.get("code")
+    return str(err.get("message", "")), MeshCode.of(err.get("code"))
 
 
 class _Client:
@@ -289,7 +290,7 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
                 message, code = _error_of(json.loads(payload))
             except ValueError:
                 message, code = payload[:200].decode("utf-8", "replace"), None
-            if code == SUPERNODE_CHANGED:
+            if code is MeshCode.SUPERNODE_CHANGED:
                 raise _Retry(message, told=True)
             return _Refused(up.status, payload)
         async for data in sse_events(up.content):
@@ -298,12 +299,12 @@ async def _relay(node: Upstream, upstream_body: dict, answer: _Answer, chat: boo
             event = json.loads(data)
             if "error" in event:
                 message, code = _error_of(event)
-                if code == SUPERNODE_CHANGED:
+                if code is MeshCode.SUPERNODE_CHANGED:
                     raise _Retry(message, told=True)
                 if answer.generated:  # mid-answer: the next attempt resumes from the history
                     raise _Retry(message, moved=False)
                 # Refused before a token (a full KV budget): the client gets that, not a 200.
-                return _Refused(503 if code == "mesh_unavailable" else 500, json.dumps(event).encode())
+                return _Refused(503 if code is MeshCode.MESH_UNAVAILABLE else 500, json.dumps(event).encode())
             if "choices" in event or "usage" in event:
                 event["id"] = cid
                 if event.get("usage"):
