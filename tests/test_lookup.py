@@ -4,6 +4,8 @@ extra rows are dear (a CPU) or nearly free (a GPU)."""
 
 from __future__ import annotations
 
+import random
+
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 
 
@@ -51,3 +53,20 @@ def test_a_draft_is_as_long_as_pays_on_the_measured_step_costs():
     # A draft model's guesses cost its forwards: at 2 ms a token, drafts still pay on the GPU
     # where they are taken often, at 10 ms not even there.
     assert 1 <= gpu.best_draft(0.9, 4, guess=0.002) <= 4 and gpu.best_draft(0.9, 4, guess=0.010) == 0
+
+
+def test_peek_is_what_draft_would_give_for_longer_tokens_and_indexes_nothing():
+    """The pipeline's look-ahead asks what a session's next draft will be once its tokens grow
+    by a guess (``peek``); the answer must be the draft the scheduler then makes from those
+    tokens, and asking must leave the session's own index as it was."""
+    rng = random.Random(7)
+    for _ in range(200):
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(3, 40))]
+        grown = tokens + [rng.randrange(6) for _ in range(rng.randrange(0, 6))]
+        look, fresh = PromptLookup(), PromptLookup()
+        look.draft(tokens, MAX_DRAFT)
+        before = dict(look._after), look._indexed
+        most = rng.randrange(0, MAX_DRAFT + 1)
+        assert look.peek(grown, most) == fresh.draft(grown, most)
+        assert (dict(look._after), look._indexed) == before
+        assert look.draft(grown, most) == fresh.draft(grown, most)

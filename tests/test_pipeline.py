@@ -98,6 +98,52 @@ async def test_a_step_through_two_stages_gives_what_one_engine_gives(parts):
     assert got == reference and pipeline.replays == 0
 
 
+LONG = 17  # tokens of the look-ahead tests: a first token, then steps of a decode row and DRAFT drafts
+DRAFT = 2
+
+
+async def drafted(pipeline: Pipeline, want: list[int], guesses) -> list[int]:
+    """Greedy tokens in steps that each check the next DRAFT tokens of ``want`` (drafts that
+    are all taken); ``guesses(generated, draft)``: what the pipeline's look-ahead is told the
+    next step's rows will be."""
+    s = Session("s1", list(PROMPT), len(PROMPT), SamplingParams(temperature=0.0, max_tokens=LONG),
+                sampler=Sampler(SamplingParams(temperature=0.0)))
+    pipeline.next_rows = lambda session: guesses(len(session.generated), len(session.draft))
+    while len(s.generated) < LONG:
+        g = len(s.generated)
+        s.draft = want[g:g + min(DRAFT, LONG - g - 1)] if g else []
+        got = (await pipeline.step([s], _pick))[s.id]
+        s.draft = []
+        s.tokens += got if isinstance(got, list) else [got]
+    await pipeline.release(s)
+    return s.generated
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["guessed", "missed"])
+async def test_a_next_steps_first_span_run_ahead_gives_the_same_tokens(parts, right):
+    """The supernode's own first span runs a lone session's next step while the later span
+    runs this one (Pipeline._look_ahead): where the guess of the next rows is right, the next
+    step uses that output instead of running the span again; where it is wrong, the span runs
+    again over the rows the guess left in its cache. The tokens are one engine's either way."""
+    engine, n, _ = parts
+    whole = engine(Span(0, n), True, True)
+    want = whole.run_sync(lambda: generate_greedy(whole, PROMPT, LONG))
+    first, second = engine(Span(0, SPLIT), True, True), engine(Span(SPLIT, n))
+    pipeline = Pipeline(lambda: first)
+    await pipeline.serve(1, plan(n), {"a": LocalRunner(first), "b": LocalRunner(second)})
+
+    def guesses(generated: int, draft: int) -> list[int]:
+        at = generated + draft  # the token after this step's draft, then the next step's draft
+        rows = want[at:at + 1 + DRAFT]
+        return rows if right else [(t + 1) % 50 for t in rows]
+
+    got = await drafted(pipeline, want, guesses)
+    assert got == want
+    steps = 1 + (LONG - 1 + DRAFT) // (DRAFT + 1)  # the prompt's (its last row decodes too), then drafted ones
+    assert pipeline.ahead_started == steps
+    assert pipeline.ahead_used == (steps - 1 if right else 0)
+
+
 async def test_a_stage_lost_mid_way_is_replayed_through_the_new_owner(parts):
     engine, n, reference = parts
     head = engine(None, True, True)

@@ -68,3 +68,9 @@ def test_real_gguf_kept_quantized_across_peers_equals_one_node(meshlab, real_mod
     supernode = next(d for d in daemons if d.node_id == view["supernode"])
     spec = http_json(supernode.url + "/status")[1]["node"]["scheduler"]["speculation"]
     assert spec["accepted"] > 0 and spec["tokens_per_step"] > 1, spec
+    if view["plan"][0]["node"] == view["supernode"]:
+        # Its own first span ran next steps ahead while the other stage ran this one (used
+        # where a step took its whole draft and the guessed token after it), and the tokens
+        # above are one node's all the same. (tests/test_pipeline.py: a look-ahead used and
+        # one missed, each giving one engine's tokens.)
+        assert spec["ahead"] > 0, spec

@@ -21,6 +21,8 @@ drafts do not pay (free text on a CPU), several where they do.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 MAX_NGRAM = 4  # the longest suffix matched first: a longer match is a surer guess
 MIN_NGRAM = 2  # a single token recurs too often in free text to guess from
 MAX_DRAFT = 8  # tokens drafted per step at most
@@ -62,12 +64,27 @@ class PromptLookup(Acceptance):
         suffix of ``tokens`` (MAX_NGRAM down to MIN_NGRAM tokens) seen before; [] when no
         suffix recurs."""
         self._index(tokens)
+        return self._follow(tokens, most, {})
+
+    def peek(self, tokens: list[int], most: int) -> list[int]:
+        """What ``draft(tokens, most)`` would give, with nothing indexed for good: ``tokens``
+        extend the ones indexed so far (a guess of the session's next tokens), and the
+        n-grams past those go into a map thrown away after ([] where ``tokens`` are shorter)."""
+        if self._indexed > len(tokens):
+            return []
+        newer: dict[tuple[int, ...], int] = {}
+        for key, p in _ngrams(tokens, self._indexed):
+            newer[key] = p
+        return self._follow(tokens, most, newer)
+
+    def _follow(self, tokens: list[int], most: int, newer: dict[tuple[int, ...], int]) -> list[int]:
         if most <= 0:
             return []
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
             if len(tokens) <= n:
                 continue
-            at = self._after.get(tuple(tokens[-n:]))
+            key = tuple(tokens[-n:])
+            at = newer.get(key, self._after.get(key))  # (``newer``'s are the later occurrences)
             if at is not None:
                 return tokens[at:at + most]
         return []
@@ -83,10 +100,17 @@ class PromptLookup(Acceptance):
         if self._indexed > len(tokens):  # the session's tokens were cut back: index again
             self._after.clear()
             self._indexed = 0
-        for p in range(max(self._indexed, MIN_NGRAM), len(tokens)):
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, p) + 1):
-                self._after[tuple(tokens[p - n:p])] = p
+        for key, p in _ngrams(tokens, self._indexed):
+            self._after[key] = p
         self._indexed = max(self._indexed, len(tokens))
+
+
+def _ngrams(tokens: list[int], since: int) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(n-gram, the position of the token after it) for each follower at ``since`` or later,
+    in order (a later occurrence of an n-gram after an earlier one)."""
+    for p in range(max(since, MIN_NGRAM), len(tokens)):
+        for n in range(MIN_NGRAM, min(MAX_NGRAM, p) + 1):
+            yield tuple(tokens[p - n:p]), p
 
 
 class StepCost:

@@ -66,6 +66,17 @@ class ActivePlan:
     runners: Mapping[NodeId, StageRunner]
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A session's next step through the first span, started while the later spans run this
+    one (``Pipeline._look_ahead``): its rows from ``start`` and their output (``done``)."""
+
+    term: int
+    start: int
+    tokens: list[int]
+    done: asyncio.Future
+
+
 class Pipeline:
     def __init__(self, head_engine_fn: Callable[[], StageEngine | None], wait_s: float = 30.0,
                  on_stage_failed: Callable[[str], None] | None = None, node: str = ""):
@@ -81,6 +92,12 @@ class Pipeline:
         self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
         self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
+        # The scheduler's guess of a session's next step's rows, were this step's draft all
+        # taken and the token after it the one lookup expects ([]: no guess); None: no look-ahead.
+        self.next_rows: Callable[[Session], list[int]] | None = None
+        self._aheads: dict[str, _Ahead] = {}  # by session id
+        self.ahead_started = 0  # look-ahead steps run, and those a next step used
+        self.ahead_used = 0
 
     @property
     def plan(self) -> ActivePlan | None:
@@ -338,11 +355,25 @@ class Pipeline:
             if (runner := plan.runners.get(a.node)) is None:
                 raise PeerLost(f"no link to {a.node}")
             runners.append(runner)
+        # A look-ahead of this step's sessions ran first (its calls are before this step's on
+        # the engine); a lone session's may be this very step's first span, already run.
+        ready = None
+        for s, _, _ in work:
+            if (ahead := self._aheads.pop(s.id, None)) is not None:
+                ran = await _outcome(ahead.done)
+                if (len(work) == 1 and ran is not None and ahead.term == plan.term and ahead.start == work[0][1]
+                        and tokens == ahead.tokens[:len(tokens)]):
+                    ready = ran[:len(tokens)]
         hidden: torch.Tensor | None = None  # set at i == 0: embedded, or by the local step
         for i, runner in enumerate(runners):
             local = runner if isinstance(runner, LocalRunner) and runner.chains(engine) else None
             embeds = local is not None and i == 0
             heads = local is not None and i == len(runners) - 1 and bool(rows or score)
+            if i == 0 and ready is not None and not heads:
+                hidden = ready  # this span's rows, run ahead while the later spans ran the last step
+                self.ahead_used += 1
+                self._look_ahead(plan, engine, runner, work)
+                continue
             if i == 0 and not embeds:
                 hidden = await self._embed(engine, tokens)
             if local is not None and (embeds or heads):
@@ -354,6 +385,8 @@ class Pipeline:
                 hidden = out
             else:
                 hidden = await runner.forward_batch(plan.term, segments, cast(torch.Tensor, hidden))
+            if i == 0:
+                self._look_ahead(plan, engine, runner, work)
         if self._head_engine() is not engine:
             raise PeerLost("the head changed during the step (the plan moved)")
         if not rows and score is None:
@@ -362,6 +395,28 @@ class Pipeline:
         out = await engine.head_then(cast(torch.Tensor, hidden), rows, pick_rows, score)
         self._sampled(began)
         return out
+
+    def _look_ahead(self, plan: ActivePlan, engine: StageEngine, first: StageRunner, work: list) -> None:
+        """A lone session's decode step has left the first span, this peer's own (``first``):
+        run that span now on the rows its next step will have if this one takes the whole
+        draft and the model's own token after it is the one prompt lookup expects
+        (``next_rows``), while the later spans run this step. One stream's step otherwise
+        keeps one stage busy at a time. The next step uses the output where its rows are
+        those (or the first of them), else it runs the span again: the rows past this step's
+        are cut away as a draft's are, and a row's output does not depend on the rows run
+        with it, so the tokens are the same either way."""
+        if (self.next_rows is None or len(work) != 1 or len(plan.assignments) < 2
+                or not isinstance(first, LocalRunner)):
+            return
+        s, start, n = work[0]
+        if start + n != len(s.tokens) + len(s.draft) or not (rows := self.next_rows(s)):
+            return  # not a decode row (and its draft): a prompt's chunk, a replay's
+        at = start + n
+        s.kv_peak = max(s.kv_peak, at + len(rows))  # its caches hold them until cut back
+        done = asyncio.ensure_future(_ahead_step(engine, first, plan.term, Segment(s.kv, at, len(rows)), rows))
+        done.add_done_callback(_retrieve)
+        self._aheads[s.id] = _Ahead(plan.term, at, rows, done)
+        self.ahead_started += 1
 
     async def _embed(self, engine: StageEngine, tokens: list[int]) -> torch.Tensor:
         began = time.monotonic()
@@ -375,7 +430,10 @@ class Pipeline:
             times.add(SAMPLE, self.node, time.monotonic() - began)
 
     async def release(self, session) -> None:
-        """Free the session's KV caches on every stage of the plan it ran under."""
+        """Free the session's KV caches on every stage of the plan it ran under (after its
+        look-ahead, whose engine call writes them)."""
+        if (ahead := self._aheads.pop(session.id, None)) is not None:
+            await _outcome(ahead.done)
         await self.drop([session.kv])
 
     async def drop(self, keys: list[str]) -> None:
@@ -389,6 +447,30 @@ class Pipeline:
                     await runner.drop(plan.term, key)
                 except PeerLost:
                     break  # its caches went with it
+
+
+async def _ahead_step(engine: StageEngine, first: LocalRunner, term: int, segment: Segment,
+                      tokens: list[int]) -> torch.Tensor:
+    """``tokens`` embedded and through the first span, as ``Pipeline._run`` runs a step's."""
+    STEP_TIMES.set(None)  # (this task's own context) not a part of the step that started it
+    if first.chains(engine):
+        return await first.step(term, [segment], tokens)
+    return await first.forward_batch(term, [segment], await engine.embed(tokens))
+
+
+async def _outcome(done: asyncio.Future) -> torch.Tensor | None:
+    """A look-ahead's output once it has run; None where it failed (a plan that moved on)."""
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        return None
+
+
+def _retrieve(done: asyncio.Future) -> None:
+    if not done.cancelled():
+        done.exception()  # retrieved: a look-ahead that failed is only not used
 
 
 def _rows_of(s, start: int, n: int) -> list[int]:

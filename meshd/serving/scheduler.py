@@ -201,6 +201,8 @@ class Scheduler:
         self.model_accepted = 0
         self._background: set[asyncio.Task] = set()
         pipeline.on_plan = self._plan_changed
+        if self.speculate:
+            pipeline.next_rows = self._next_rows
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -307,6 +309,25 @@ class Scheduler:
                 look.guess = guess[0]
         return len(batch) == 1 and len(decoding) == 1
 
+    def _next_rows(self, s: Session) -> list[int]:
+        """The rows of the session's next step if this one takes its whole draft and the
+        model's own token after it is the one prompt lookup expects: that token, then the
+        draft ``_draft`` would take from lookup then, at most (it may take fewer: the first
+        rows of these). [] where there is nothing to guess: no lookup, a grammar (its cut
+        depends on the tokens taken), no match, or the answer ends at that token. Read by
+        the pipeline to run its first span a step ahead (``Pipeline._look_ahead``)."""
+        look = s.lookup
+        if look is None or s.finished or (s.sampler is not None and s.sampler.mask is not None):
+            return []
+        generated = len(s.generated) + len(s.draft) + 1  # after this step, in the case guessed
+        if generated >= s.params.max_tokens:
+            return []
+        tokens = s.tokens + s.draft
+        first = look.peek(tokens, 1)
+        if not first:
+            return []
+        return first + look.peek(tokens + first, min(MAX_DRAFT, s.params.max_tokens - generated - 1))
+
     async def _draft_by_model(self, batch: list[Session]) -> None:
         """Drafts of the draft model for the step's decoding sessions that prompt lookup left
         without one (in a step small enough for drafts), as long as pays (or in full with
@@ -367,7 +388,9 @@ class Scheduler:
                 "tokens_per_step": round((self.accepted + self.draft_steps) / self.draft_steps, 3)
                 if self.draft_steps else None,
                 # What auto weighs a draft by, as learned here: a one-session step, and each drafted row more.
-                "step_ms": ms(self.step_cost.plain), "draft_row_ms": ms(self.step_cost.row)}
+                "step_ms": ms(self.step_cost.plain), "draft_row_ms": ms(self.step_cost.row),
+                # Next steps' first spans run ahead (a plan of several stages), and those used.
+                "ahead": self.pipeline.ahead_started, "ahead_used": self.pipeline.ahead_used}
 
     def _lanes_in_use(self) -> int:
         """One lane per stage keeps every stage busy; one is enough for one stage."""
