@@ -590,7 +590,7 @@ static inline int wide_type(int type) {
 static void dot_rows_avx2(int type, const uint8_t *row, const xrow *x, int64_t M, int64_t K, float *out) {
     int64_t m = 0;
 #ifdef QB_512
-    if (M >= 2 && x->xw && wide_type(type)) {
+    if (x->xw) {  /* qb_matmul prepared the rows for the int16 tiles: two passes, M >= 2, a wide type */
         /* Tiles of 8: a decode row with up to 7 drafted rows reads the weights from memory
          * once (as 4 + 1 a 5-row step read them twice: the lone row cost a decode step). A
          * lone last row keeps the two dpbusd (the shuffles cost a single row 5%). */
@@ -759,9 +759,9 @@ int qb_matmul(int type, const uint8_t *W, int64_t N, int64_t K, const float *x, 
     xrow *xr = malloc(sizeof(xrow) * (size_t)(M + 1));
     int32_t *xl = malloc(sizeof(int32_t) * (size_t)(2 * M * (K / 4)) + 64);
     float *xv = malloc(sizeof(float) * (size_t)(8 * M * nb) + 64);
-    int wide = 0;  /* the two passes joined in int16 (xrow's xw, lsc, st) */
+    int wide = 0;  /* the two passes joined in int16 (xrow's xw, lsc, st): the int16 tiles run */
 #ifdef QB_512
-    wide = two && !scalar;
+    wide = two && !scalar && M >= 2 && wide_type(type);  /* (a decode step's lone row never does) */
 #endif
     int16_t *xw = wide ? malloc(sizeof(int16_t) * (size_t)(M * K) + 64) : NULL;
     int32_t *xc = wide ? malloc(sizeof(int32_t) * (size_t)(M * (K / 4)) + 64) : NULL;
