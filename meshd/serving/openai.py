@@ -601,7 +601,6 @@ class MeshCode(StrEnum):
             return None
 
 
-
 class ChoiceWriter:
     """One choice's scheduler chunks as OpenAI stream choices: text (and echo), tool calls
     parsed out of the text in the model's format, log-probabilities in OpenAI's shapes."""
