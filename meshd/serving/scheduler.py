@@ -28,13 +28,14 @@ from meshd.control.timing import StepTimes, ms
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.drafter import DraftModel
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
+from meshd.serving.output import Chunk, ChoiceOutput
 from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from meshd.serving.traces import Chain, Trace
 from shards.engine import URGENT
 from shards.errors import InvalidParams
 from shards.grammar import Constraint
-from shards.sampling import Sampler, SamplingParams, TokenLogprobs, find_stop, stop_holdback
+from shards.sampling import Sampler, SamplingParams, TokenLogprobs
 from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
@@ -60,6 +61,22 @@ BATCH_KV_SHARE = 0.75
 # what the running streams' own rows would (their tokens come one per step anyway).
 SPECULATE_UP_TO = 4  # sessions in a step
 DRAFT_MODEL_TOKENS = 4  # a draft model's guess per step at most (each costs it a forward)
+
+
+class SessionState(IntEnum):
+    """Where a session is in its life, in this order (a session may finish before anyone
+    streams it: ADMITTED -> FINISHED).
+
+    ADMITTED: its KV positions reserved, in a lane (or prefilling beside them).
+    STREAMING: a consumer reads its chunks (``Scheduler.stream``).
+    FINISHED: out of every lane; its queue has its end (or error). A step that holds it
+      (``in_step``) still runs to its end.
+    RELEASED: its stage caches given back (dropped, or kept as a cached prefix)."""
+
+    ADMITTED = 0
+    STREAMING = 1
+    FINISHED = 2
+    RELEASED = 3
 
 
 class Priority(IntEnum):
@@ -92,11 +109,10 @@ class Session:
     request: object = None  # the request it is a choice of (a request's choices count as one)
     sampler: Sampler | None = None
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # token ids, then None (or an exception)
-    finished: bool = False
-    # In a step now: its caches are freed only after the step, or a Drop could
-    # reach a stage before that step's rows do.
+    state: SessionState = SessionState.ADMITTED
+    # In a step now (in any state before RELEASED): its caches are freed only after the
+    # step, or a Drop could reach a stage before that step's rows do.
     in_step: bool = False
-    released: bool = False
     priority: Priority = Priority.INTERACTIVE
     # The key of its caches on the stages: its own id, or that of the finished
     # session whose cached prefix it took over.
@@ -105,7 +121,6 @@ class Session:
     # The prompt's own logprobs, by position in ``tokens`` (1 .. prompt_len - 1), filled by
     # the pipeline's head as the prompt's rows pass; None where not asked for.
     prompt_scores: dict[int, TokenLogprobs] | None = None
-    streamed: bool = False
     trace: Trace | None = None  # its request's timeline (serving/traces.py), on a request's first choice
     # Speculative decoding: where its drafts come from (None: it does not speculate), and
     # the tokens drafted for the next step, checked in it beside its decode row.
@@ -120,17 +135,9 @@ class Session:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """What a client is sent: new text, the token ids behind it, and a finish reason at the end."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None = None
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
-    # The first chunk's, when asked for: the prompt's tokens after the first, scored
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    @property
+    def finished(self) -> bool:
+        return self.state >= SessionState.FINISHED
 
 
 @dataclass(slots=True)
@@ -517,9 +524,9 @@ class Scheduler:
     async def _release(self, session: Session) -> None:
         """Free the session's stage caches once no step holds it: keep them as a cached
         prefix when they are whole under the active plan, else drop them."""
-        if session.released or session.in_step:
+        if session.state is SessionState.RELEASED or session.in_step:
             return
-        session.released = True
+        session.state = SessionState.RELEASED
         if self.drafter is not None:
             self.drafter.forget(session.id)
         plan = self.pipeline.plan
@@ -548,7 +555,7 @@ class Scheduler:
         """Take the session out of its lane; its generator sees the end (or the error)."""
         if session.finished:
             return
-        session.finished = True
+        session.state = SessionState.FINISHED
         for lane in self.lanes:
             if session in lane.sessions:
                 lane.sessions.remove(session)
@@ -582,8 +589,9 @@ class Scheduler:
         return session
 
     async def close(self, session: Session) -> None:
-        """Give back a session that was opened but never streamed."""
-        if not session.streamed:
+        """Give back a session that was opened but never streamed (one that streams ends
+        itself: ``stream`` gives it back however it ends)."""
+        if session.state is not SessionState.STREAMING:
             self._finish(session, None)
             self._forget(session)
             await self._release(session)
@@ -623,71 +631,53 @@ class Scheduler:
             yield chunk
 
     async def stream(self, session: Session, usage: Usage | None = None) -> AsyncGenerator[Chunk, None]:
-        """The chunks of an opened session; it is given back when this ends, however it ends."""
+        """The chunks of an opened session (``output.ChoiceOutput`` makes them of its tokens);
+        it is given back when this ends, however it ends."""
         assert self.tokenizer is not None
-        session.streamed = True
+        if session.state is SessionState.ADMITTED:
+            session.state = SessionState.STREAMING
         params = session.params
-        prompt_len = session.prompt_len
-        decoder = self.tokenizer.stream_decoder()
-        for tok in session.generated:
-            decoder.push(tok)
+        output = ChoiceOutput(self.tokenizer, params, session.generated)
         structlog.contextvars.bind_contextvars(session=session.id)
-        log.info("session_started", prompt_tokens=prompt_len, max_tokens=params.max_tokens,
+        log.info("session_started", prompt_tokens=session.prompt_len, max_tokens=params.max_tokens,
                  resumed=len(session.generated), priority=session.priority.name.lower())
         t0 = time.monotonic()
-        # finish stays None to the end when the answer is cut (an error, a shutdown, a client gone)
-        pending, pending_ids, pending_lp, finish = "", [], [], None
-        delivered = len(session.generated)
-        scores = session.prompt_scores
+        finish = None  # stays None to the end when the answer is cut (an error, a shutdown, a client gone)
         try:
-            if len(session.generated) >= params.max_tokens and scores is None:
+            if len(session.generated) >= params.max_tokens and session.prompt_scores is None:
                 self._finish(session, None)
-            while True:
+            while output.finish is None:
                 item = await session.out.get()
+                if session.prompt_scores:
+                    output.prompt_logprobs = _prompt_scores(session)
                 if item is None:
                     # The lane ended it: EOS, or max_tokens reached (or its grammar hit a limit).
                     sampler = cast(Sampler, session.sampler)  # ``open`` gives every session one
                     if (why := getattr(sampler.mask, "error", None)) is not None:
                         raise InvalidParams(f"response_format: the grammar hit a limit mid-answer: {why}",
                                             param="response_format")
-                    finish = "stop" if delivered < params.max_tokens else "length"
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if delivered in session.logprobs:
-                    pending_lp.append(session.logprobs.pop(delivered))
-                delivered += 1
-                pending_ids.append(item)
-                pending += decoder.push(item)
-                # stop strings count from the min_tokens-th token on (vLLM's rule)
-                stops = params.stop if delivered >= params.min_tokens else ()
-                cut = find_stop(pending, stops)
-                if cut is not None:
-                    pending, finish = pending[:cut], "stop"
-                    break
-                hold = stop_holdback(pending, stops)
-                ready, pending = pending[: len(pending) - hold], pending[len(pending) - hold:]
-                if ready or pending_ids:
-                    yield Chunk(ready, tuple(pending_ids), None, tuple(pending_lp), _prompt_scores(session))
-                    pending_ids, pending_lp = [], []
-            if finish == "length":
-                pending += decoder.flush()
-            yield Chunk(pending, tuple(pending_ids), finish, tuple(pending_lp), _prompt_scores(session))
+                if (chunk := output.push(item, session.logprobs.pop(output.delivered, None))) is not None:
+                    yield chunk
+            finish = output.finish or ("stop" if output.delivered < params.max_tokens else "length")
+            yield output.end(finish)
         finally:
             self._finish(session, None)
             self._forget(session)
             if usage is not None:
-                usage.prompt_tokens += prompt_len
-                usage.completion_tokens += delivered
+                usage.prompt_tokens += session.prompt_len
+                usage.completion_tokens += output.delivered
             await self._release(session)
-            log.info("session_finished", tokens=delivered, finish=finish or "cut",
+            log.info("session_finished", tokens=output.delivered, finish=finish or "cut",
                      seconds=round(time.monotonic() - t0, 3))
             structlog.contextvars.unbind_contextvars("session")
 
 
 def _prompt_scores(session: Session) -> tuple[TokenLogprobs, ...]:
-    """The prompt's logprobs, once (for the first chunk): the pipeline scored every prompt
-    row before the step that gave the first token (or, for max_tokens 0, ended it)."""
+    """The prompt's logprobs, once (they go with the first chunk): the pipeline scored every
+    prompt row before the step that gave the first token (or, for max_tokens 0, ended it)."""
     scores, session.prompt_scores = session.prompt_scores, None
     if not scores:
         return ()
