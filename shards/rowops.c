@@ -173,6 +173,109 @@ static void rope(float *restrict x, int64_t heads, int64_t hd, const float *rest
 
 /* s[j] = scale * (q . k_j) for keys k_0..k_{S-1} (rows of hd): four keys at a time, each
  * with lanes of its own, summed across lanes once per key. */
+#ifdef __AVX512F__
+/* 16 floats as one vector (GCC's vector extension: one zmm register here); its + and * are
+ * the same IEEE operations lane by lane as the scalar code's (no contraction: -ffp-contract=off). */
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+static inline vf16 ld16(const float *p) {
+    vf16 v;
+    memcpy(&v, p, 64);
+    return v;
+}
+static inline void st16(float *p, vf16 v) { memcpy(p, &v, 64); }
+
+/* One stage of a 16 x 16 transpose: rows c and c + 2^b swap the elements whose lane bit b
+ * differs from their row's. */
+#define TSTAGE(A, B, LO, HI) do { _Pragma("GCC unroll 16") for (int c_ = 0; c_ < 16; c_++) if (!(c_ & (B))) { \
+        vf16 x_ = A[c_], y_ = A[c_ + (B)]; A[c_] = __builtin_shuffle(x_, y_, LO); \
+        A[c_ + (B)] = __builtin_shuffle(x_, y_, HI); } } while (0)
+
+/* scores() for 16 keys at once, to the bit: a key's dot is what scores' omp simd loop
+ * compiles to on a 16-lane machine (lane l sums d = l, l + 16, ... in order from 0, then 0
+ * + lane 0 + lane 1 ... + lane 15), but the 16 lane sums of the 16 keys are transposed in
+ * registers and added as vectors, where scores added them one float after another: a chain
+ * of 16 dependent adds a key was most of attention's time. hd: a multiple of 16. */
+static void scores16(const float *restrict q, const float *restrict k, int64_t hd, float scale, float *restrict s) {
+    vf16 a[16], qv = ld16(q);
+    _Pragma("GCC unroll 16")  /* unrolled: a[] in registers */
+    for (int c = 0; c < 16; c++) a[c] = (vf16){0} + qv * ld16(k + c * hd);
+    for (int64_t d = 16; d < hd; d += 16) {
+        qv = ld16(q + d);
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < 16; c++) a[c] = a[c] + qv * ld16(k + c * hd + d);
+    }
+    const vi16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+               hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+               lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+               hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+               lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+               hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+               lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+               hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    TSTAGE(a, 8, lo8, hi8);
+    TSTAGE(a, 4, lo4, hi4);
+    TSTAGE(a, 2, lo2, hi2);
+    TSTAGE(a, 1, lo1, hi1);
+    vf16 sum = (vf16){0};
+    _Pragma("GCC unroll 16")
+    for (int l = 0; l < 16; l++) sum = sum + a[l];
+    st16(s, sum * scale);
+}
+
+/* o[h][d] = sum over keys j of p[h * ps + j] v[j][d] for nh (1 or 2) heads and w (1 to 4)
+ * vectors of d from d0, each element summed as attend_row's loop sums it (from 0, key by
+ * key in order: the same bits), in registers rather than through memory each key. */
+static inline __attribute__((always_inline)) void weigh(const float *p, int64_t ps, const int nh, int64_t S,
+                                                        const float *v, int64_t hd, int64_t d0, const int w,
+                                                        float *o) {
+    vf16 a[2][4];
+    for (int h = 0; h < nh; h++)
+        for (int x = 0; x < w; x++) a[h][x] = (vf16){0};
+    for (int64_t j = 0; j < S; j++) {
+        const float *vj = v + j * hd + d0;
+        vf16 x_[4];
+        for (int x = 0; x < w; x++) x_[x] = ld16(vj + 16 * x);
+        for (int h = 0; h < nh; h++) {
+            vf16 pj = (vf16){0} + p[h * ps + j];
+            for (int x = 0; x < w; x++) a[h][x] = a[h][x] + pj * x_[x];
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int x = 0; x < w; x++) st16(o + h * hd + d0 + 16 * x, a[h][x]);
+}
+
+/* The group's heads' outputs o [group][hd] from their softmaxed scores p [group][S]. */
+static void weigh_values(const float *p, int64_t S, int64_t group, const float *v, int64_t hd, float *o) {
+    for (int64_t i = 0; i < group; i += 2) {
+        int two = i + 1 < group;
+        for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+            int64_t w = hd - d0 >= 64 ? 4 : (hd - d0) / 16;
+            const float *pi = p + i * S;
+            float *oi = o + i * hd;
+            if (two) {
+                switch (w) {
+                case 4: weigh(pi, S, 2, S, v, hd, d0, 4, oi); break;
+                case 3: weigh(pi, S, 2, S, v, hd, d0, 3, oi); break;
+                case 2: weigh(pi, S, 2, S, v, hd, d0, 2, oi); break;
+                default: weigh(pi, S, 2, S, v, hd, d0, 1, oi); break;
+                }
+            } else {
+                switch (w) {
+                case 4: weigh(pi, S, 1, S, v, hd, d0, 4, oi); break;
+                case 3: weigh(pi, S, 1, S, v, hd, d0, 3, oi); break;
+                case 2: weigh(pi, S, 1, S, v, hd, d0, 2, oi); break;
+                default: weigh(pi, S, 1, S, v, hd, d0, 1, oi); break;
+                }
+            }
+        }
+    }
+}
+#define FAST_ATTENTION(hd) ((hd) % 16 == 0)
+#else
+#define FAST_ATTENTION(hd) 0
+#endif
+
 static void scores(const float *restrict q, const float *restrict k, int64_t S, int64_t hd, float scale,
                    float *restrict s) {
     int64_t j = 0;
@@ -203,6 +306,7 @@ static void scores(const float *restrict q, const float *restrict k, int64_t S, 
 /* p <- softmax(p) over n. */
 static void softmax(float *restrict p, int64_t n) {
     float m = -INFINITY, z = 0.0f;
+#pragma omp simd reduction(max : m)  /* a max is exact in any order: the same m */
     for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
 #pragma omp simd reduction(+ : z)
     for (int64_t j = 0; j < n; j++) {
@@ -248,10 +352,20 @@ static void attend_row(int64_t nq, int64_t nkv, int64_t hd, const float *qf, con
     for (int64_t g = 0; g < nkv; g++) { /* the q heads of kv head g share each key and value read */
         const float *kg = kc + (g * cap + first) * hd, *vg = vc + (g * cap + first) * hd;
         for (int64_t i = 0; i < group; i++) {
-            int64_t h = g * group + i;
-            scores(qf + h * hd, kg, S, hd, scale, p + i * S);
+            int64_t h = g * group + i, j = 0;
+#ifdef __AVX512F__
+            if (FAST_ATTENTION(hd))
+                for (; j + 16 <= S; j += 16) scores16(qf + h * hd, kg + j * hd, hd, scale, p + i * S + j);
+#endif
+            scores(qf + h * hd, kg + j * hd, S - j, hd, scale, p + i * S + j);
         }
         for (int64_t i = 0; i < group; i++) softmax(p + i * S, S);
+#ifdef __AVX512F__
+        if (FAST_ATTENTION(hd)) {
+            weigh_values(p, S, group, vg, hd, o + g * group * hd);
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < group; i++) memset(o + (g * group + i) * hd, 0, (size_t)hd * 4);
         for (int64_t j = 0; j < S; j++) {
             const float *vj = vg + j * hd;

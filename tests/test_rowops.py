@@ -194,6 +194,29 @@ def test_the_float_kernel_gives_a_rows_bits_whatever_rows_run_with_it_and_agrees
             assert torch.equal(qblocks.dense(lib, wide[:, 2:k + 2], weight, b), y)  # rows k + 5 apart
 
 
+@pytest.mark.parametrize("hd,nq,nkv", [(64, 9, 3), (256, 4, 1), (80, 6, 2), (24, 2, 1)])
+def test_a_rows_attention_over_a_long_cache_agrees_with_float64(hd, nq, nkv):
+    """ro_attend (one decode row) against softmax attention in float64: keys in blocks of 16
+    with a tail (S = 16, 17, 40, 333), a window's first key not a block's; head sizes that
+    take the 16-lane path (64, 256, 80: 4, 16 and 5 vectors) and one that does not (24)."""
+    gen = torch.Generator().manual_seed(11)
+    for S, first in ((1, 0), (16, 0), (17, 0), (40, 3), (333, 0), (333, 150)):
+        cap = S + 2
+        kc, vc = torch.randn(nkv, cap, hd, generator=gen) * 2, torch.randn(nkv, cap, hd, generator=gen)
+        q, k, v = (torch.randn(n * hd, generator=gen) for n in (nq, nkv, nkv))
+        cos, sin = torch.ones(hd), torch.zeros(hd)  # rope at angle 0: q and k as given
+        out, pos = torch.empty(nq * hd), S - 1
+        assert LIB.ro_attend(nq, nkv, hd, q.data_ptr(), 0, k.data_ptr(), 0, v.data_ptr(), 0, None, None, 1e-6,
+                             cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), cap, pos, first,
+                             hd ** -0.5, out.data_ptr(), 0) == 0
+        assert torch.equal(kc[:, pos], k.view(nkv, hd)) and torch.equal(vc[:, pos], v.view(nkv, hd))
+        keys, values = kc[:, first:pos + 1].double(), vc[:, first:pos + 1].double()  # [nkv, S', hd]
+        qh = q.double().view(nkv, nq // nkv, hd)
+        p = torch.softmax(qh @ keys.transpose(1, 2) * hd ** -0.5, dim=-1)
+        want = (p @ values).reshape(-1)
+        assert (out.double() - want).abs().max() < 1e-5, (S, first)
+
+
 def test_a_decode_row_past_the_window_sees_only_the_window():
     """Gemma's sliding layer: keys older than the window are not attended to."""
     stage = _stage("gemma3", "float")
