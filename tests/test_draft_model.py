@@ -13,6 +13,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 
+from meshd.serving import drafter as drafter_module
 from meshd.serving.drafter import DraftModel
 from shards.convert import convert
 from shards.errors import ModelError
@@ -71,6 +72,11 @@ async def test_answers_are_the_same_with_a_draft_models_drafts_and_they_are_chec
                 assert spec["model_drafted"] > 0, spec
         status = served.node.scheduler.speculation()
         assert status["draft_model"] == "tiny-draft" and status["model_drafted"] > 0
+        for _ in range(100):  # every session's draft cache (warmed from its prompt) goes when it ends
+            if drafter.engine.sessions == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert drafter.engine.sessions == 0 and not drafter._warming
         async with client.get(served.url + "/metrics") as r:
             metrics = await r.text()
         counted = [line for line in metrics.splitlines() if line.startswith("meshd_speculative_model_drafted_total ")]
@@ -109,5 +115,36 @@ async def test_a_draft_follows_its_session_as_a_fresh_one_would_and_skips_ids_it
         assert len(first) == 3 and all(0 <= t < drafter.vocab for t in first)
         for grown in ([5, 6, 7, first[0], 9], [5, 6, 7, first[0], first[1], first[2], 11], [5, 6, 12]):
             assert await drafter.draft("s", grown, 3) == await drafter.draft(f"fresh{len(grown)}{grown[-1]}", grown, 3)
+    finally:
+        drafter.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_prompt_warmed_beside_the_lanes_drafts_as_a_fresh_session_and_a_forgotten_one_leaves_nothing(
+        tiny_model_dir, draft_dir, monkeypatch):
+    """``warm`` feeds a new session's prompt to its draft cache in chunks (three calls here),
+    not ready to draft until it is through; its first draft then feeds one row and guesses
+    what a session fed everything at once guesses. A session forgotten while its prompt
+    feeds leaves no draft cache behind."""
+    monkeypatch.setattr(drafter_module, "WARM_CHUNK", 4)
+    drafter = DraftModel.load(draft_dir, Manifest.load(tiny_model_dir))
+    tokens = list(range(5, 16))
+    try:
+        warming = drafter.warm("w", tokens)
+        assert not drafter.ready("w")
+        await warming
+        assert drafter.ready("w") and drafter.engine.cached_length("w") == len(tokens) - 1
+        assert await drafter.draft("w", tokens, 3) == await drafter.draft("fresh", tokens, 3)
+        feed, fed = drafter._feed, []
+
+        def forgotten_after_the_first_chunk(session, tokens, start, n):
+            feed(session, tokens, start, n)
+            fed.append(drafter.engine.cached_length(session))
+            if session == "gone" and len(fed) == 1:
+                drafter.forget("gone")  # (the loop's call, between two of the engine's)
+        drafter._feed = forgotten_after_the_first_chunk
+        await drafter.warm("gone", tokens)
+        assert fed == [4]  # one chunk fed, the rest not
+        assert drafter.engine.cached_length("gone") == 0 and drafter.ready("gone") and "gone" not in drafter._known
     finally:
         drafter.close()

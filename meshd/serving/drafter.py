@@ -8,13 +8,17 @@ differs. As vLLM's and transformers' assisted generation, across the mesh's stag
 The draft model keeps a KV cache per session in its own engine (its own worker thread):
 each call feeds only the tokens the session gained since the last one (those taken from the
 last draft, and the model's own token after them), cutting its cache back to where the
-guess and the session parted.
+guess and the session parted. A new session's prompt is fed beside the lanes (``warm``, in
+chunks, while the stages take the prompt too): its drafts wait for that, not the lane's
+steps, so a long prompt's first draft never holds every stream of its lane.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 
 import structlog
@@ -28,6 +32,7 @@ from shards.span import Span
 log = structlog.get_logger()
 
 MAX_SESSIONS = 256  # draft caches kept; the least recently drafted goes first beyond this
+WARM_CHUNK = 256  # prompt rows a call of ``warm`` feeds: other sessions' drafts run between calls
 
 
 class DraftModel:
@@ -37,7 +42,8 @@ class DraftModel:
         self.context = engine.manifest.config.max_position
         self.vocab = engine.manifest.config.vocab_size
         self._known: dict[str, list[int]] = {}  # session -> the tokens its draft cache holds, in use order
-        self._lock = threading.Lock()  # _known: drafts on the engine's thread, forget on the loop's
+        self._lock = threading.Lock()  # _known, _warming: drafts on the engine's thread, forget on the loop's
+        self._warming: set[str] = set()  # sessions whose prompt ``warm`` is feeding
         self.token_s = 0.0  # seconds a row fed to it costs here (a moving average; 0 before the first)
         # How often its drafted tokens are taken, over every session (how well it guesses is
         # the pair of models' more than a session's); hopeful at first, so that it is tried.
@@ -66,7 +72,7 @@ class DraftModel:
             return []  # (a target's id past a smaller draft vocabulary: its padding, or a client's)
         t0 = time.perf_counter()
         out, fed = await self.engine.run(lambda: self._greedy(session, tokens, k))
-        took = (time.perf_counter() - t0) / fed  # per row: a session's first draft feeds its whole prompt
+        took = (time.perf_counter() - t0) / fed  # per row (a session not warmed feeds its whole prompt)
         self.token_s = took if not self.token_s else (1 - EMA) * self.token_s + EMA * took
         return out
 
@@ -95,11 +101,54 @@ class DraftModel:
             e.drop(oldest)
         return out, len(tokens) - start + k - 1
 
+    def ready(self, session: str) -> bool:
+        """Whether the session may draft now: not while ``warm`` feeds its prompt."""
+        return session not in self._warming
+
+    def warm(self, session: str, tokens: list[int]) -> Coroutine[None, None, None]:
+        """Feed a new session's tokens but the last (which its first draft feeds) to its
+        draft cache: the coroutine to run beside the lanes. From this call until it ends
+        the session is not ``ready``."""
+        with self._lock:
+            self._warming.add(session)
+        return self._warm(session, list(tokens))
+
+    async def _warm(self, session: str, tokens: list[int]) -> None:
+        try:
+            end = len(tokens) - 1
+            if end <= 0 or len(tokens) > self.context or max(tokens) >= self.vocab:
+                return  # (no draft will be made for it: ``draft`` says the same)
+            for start in range(0, end, WARM_CHUNK):
+                n = min(WARM_CHUNK, end - start)
+                await self.engine.run(functools.partial(self._feed, session, tokens, start, n))
+                with self._lock:
+                    gone = session not in self._warming
+                if gone:  # forgotten meanwhile: ``forget`` left its cache to this
+                    self.engine.drop(session)
+                    return
+        finally:
+            with self._lock:
+                self._warming.discard(session)
+
+    def _feed(self, session: str, tokens: list[int], start: int, n: int) -> None:  # on the engine's thread
+        with self._lock:
+            if session not in self._warming:
+                return
+        e = self.engine
+        e._forward_batch([(session, start, n)], e._embed(tokens[start:start + n]))
+        with self._lock:
+            if session in self._warming:
+                self._known[session] = tokens[:start + n]
+
     def forget(self, session: str) -> None:
-        """The session ended: its draft cache goes."""
+        """The session ended: its draft cache goes (once ``warm`` is through with it, where
+        it is still feeding the prompt)."""
         with self._lock:
             self._known.pop(session, None)
-        self.engine.drop(session)
+            warming = session in self._warming
+            self._warming.discard(session)
+        if not warming:
+            self.engine.drop(session)
 
     def close(self) -> None:
         self.engine.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import cast
@@ -349,7 +349,7 @@ class Scheduler:
         if drafter is None or len(batch) > SPECULATE_UP_TO:
             return
         for s in self._decoding(batch):
-            if s.lookup is None or s.draft:
+            if s.lookup is None or s.draft or not drafter.ready(s.id):  # (its prompt still feeding: no wait)
                 continue
             room = min(DRAFT_MODEL_TOKENS, s.params.max_tokens - len(s.generated) - 1)
             rate = drafter.acceptance.rate
@@ -586,7 +586,20 @@ class Scheduler:
                           # are the tokens kept, so it never needs to take one back.
                           lookup=PromptLookup() if self.speculate else None)
         self._admit(session)
+        if self.drafter is not None and session.lookup is not None and params.max_tokens > 1:
+            self._spawn(self._warm_drafter(self.drafter, self.drafter.warm(session.id, session.tokens)))
         return session
+
+    async def _warm_drafter(self, drafter: DraftModel, warming: Coroutine[None, None, None]) -> None:
+        """The draft model takes a session's prompt beside the lanes (``DraftModel.warm``:
+        not ready to draft from the call, in ``open``, to the end); one that fails is put
+        aside, as a failed draft's is."""
+        try:
+            await warming
+        except Exception as exc:  # its engine closed, or what no check foresaw: lookup goes on alone
+            log.warning("draft_model_failed", model=drafter.name, error=str(exc))
+            if self.drafter is drafter:
+                self.drop_drafter()
 
     async def close(self, session: Session) -> None:
         """Give back a session that was opened but never streamed (one that streams ends
