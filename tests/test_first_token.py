@@ -1,6 +1,7 @@
 """Time to first token under load: a new session's first token comes from a step of its
 own (the first-token lane), whose engine calls go before the queued decode batches, so it
 waits for the call in progress at most, not for a full decode step of every running stream.
+A long prompt goes in chunks that running streams step between.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from meshd.control.runner import LocalRunner
-from meshd.serving.pipeline import Pipeline
+from meshd.serving.pipeline import PREFILL_CHUNK, SHARED_CHUNK, Pipeline
 from meshd.serving.scheduler import Scheduler
 from protocol.messages import Assignment, NodeId
 from shards.engine import URGENT, StageEngine
@@ -204,3 +205,56 @@ async def test_a_step_queued_across_a_replan_that_keeps_the_engine_is_replayed_n
     # cache (the pipeline asks for a new plan and replays), not a model error that ends it.
     with pytest.raises(StageFailed, match="no cache here"):
         await runner.step(1, [Segment("s", 3, 1)], [8])
+
+
+async def test_a_long_prompt_arriving_while_streams_decode_goes_in_chunks_between_their_steps(engine, tiny_model_dir):
+    """A prompt of 300 tokens while a stream decodes: its steps take SHARED_CHUNK rows each,
+    those before its last chunk queue behind the stream's (not urgent), so the stream gets
+    tokens between them, instead of waiting for the whole prompt; both answers are the
+    same tokens as alone. Alone (in a decode lane at once) the prompt goes PREFILL_CHUNK rows a step."""
+    n = engine.span.stop
+    pipeline = Pipeline(lambda: engine)
+    await pipeline.serve(1, (Assignment(NodeId("me"), Span(0, n)),), {NodeId("me"): LocalRunner(engine, delay_ms=2.0)})
+    tok = MeshTokenizer.load(tiny_model_dir)
+    sched = Scheduler(pipeline, tok, prefix_entries=0)  # (the prompt again finds no cached prefix)
+    steps: list[tuple[list[tuple[str, int, int]], int, bool]] = []  # (session, cached, generated), chunk, urgent
+    step = pipeline.step
+
+    async def recorded(sessions, pick, times=None, chunk=PREFILL_CHUNK):
+        steps.append(([(s.id, s.cached, len(s.generated)) for s in sessions], chunk, URGENT.get()))
+        return await step(sessions, pick, times, chunk)
+
+    pipeline.step = recorded
+    runner = asyncio.get_running_loop().create_task(sched.run())
+
+    async def gen(prompt: list[int], n_tokens: int) -> tuple[str, list[int]]:
+        session = sched.open(prompt, SamplingParams(temperature=0.0, max_tokens=n_tokens))
+        ids = []
+        async for chunk in sched.stream(session):
+            ids.extend(chunk.token_ids)
+        return session.id, ids
+
+    try:
+        long_alone_id, long_alone = await gen(LONG_PROMPT, 4)
+        _, stream_alone = await gen(tok.encode("a stream says"), 60)
+        stream = asyncio.create_task(gen(tok.encode("a stream says"), 60))
+        await asyncio.sleep(0.2)  # it decodes now
+        long_id, long_busy = await gen(LONG_PROMPT, 4)
+        stream_id, stream_busy = await stream
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+    assert long_busy == long_alone and stream_busy == stream_alone
+    alone = [(chunk, urgent) for rows, chunk, urgent in steps if rows[0][0] == long_alone_id]
+    assert [chunk for chunk, _ in alone] == [PREFILL_CHUNK] * (-(-len(LONG_PROMPT) // PREFILL_CHUNK) + 3)
+    prefill = [(i, chunk, urgent) for i, (rows, chunk, urgent) in enumerate(steps)
+               if rows[0][0] == long_id and rows[0][2] == 0]  # its steps before its first token
+    assert len(prefill) == -(-len(LONG_PROMPT) // SHARED_CHUNK)
+    assert all(chunk == SHARED_CHUNK for _, chunk, _ in prefill)
+    assert [urgent for _, _, urgent in prefill] == [False] * (len(prefill) - 1) + [True]
+    # the stream went on between the prompt's first and last chunks (a step of its spans at
+    # most two chunks: its engine calls queue between theirs)
+    first, last = prefill[0][0], prefill[-1][0]
+    between = [rows for rows, _, _ in steps[first:last] if any(s == stream_id for s, _, _ in rows)]
+    assert len(between) >= len(prefill) // 2, (len(between), len(prefill))

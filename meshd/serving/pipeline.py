@@ -35,6 +35,11 @@ log = structlog.get_logger()
 # Prompt rows a session sends per step: bounds frame size, and keeps a long
 # prompt from stalling the streams decoding beside it (chunked prefill).
 PREFILL_CHUNK = 256
+# Prompt rows a step of the first-token lane takes while other streams decode on this
+# stage: its steps before a prompt's last chunk then queue behind theirs (not urgent), so
+# they get a step every chunk rather than wait for the whole prompt (a 1432-token prompt on
+# one core held a running stream for 6.3 s); a chunk of 64 rows is about 0.3 s there.
+SHARED_CHUNK = 64
 # A pipelined prefill cuts a prompt into about this many chunks per stage, of at least
 # MIN_WAVE_CHUNK rows: with C chunks over S stages it takes (C + S - 1) chunk-times of
 # one stage instead of C * S.
@@ -152,10 +157,10 @@ class Pipeline:
         return (f"a step failed under plan term {newer_than} ({failed}) and no new plan came "
                 f"within {self._wait_s:.0f} s")
 
-    async def step(self, sessions: list, pick: Pick,
-                   times: StepTimes | None = None) -> dict[str, int | list[int] | None]:
+    async def step(self, sessions: list, pick: Pick, times: StepTimes | None = None,
+                   chunk: int = PREFILL_CHUNK) -> dict[str, int | list[int] | None]:
         """One forward of a batch through the plan: each session contributes the
-        rows its stages have not cached yet (at most PREFILL_CHUNK of them). Returns
+        rows its stages have not cached yet (at most ``chunk`` of them). Returns
         per session its next token, ``pick(session, logits [V])`` (run on the engine's
         thread), or None while its prompt (or replay) still has rows to go. A session in
         decode with a ``draft`` (speculative decoding) sends a row per drafted token beside
@@ -164,9 +169,9 @@ class Pipeline:
         replay every session of the batch from position 0. ``times`` (ended here) gets
         where the step's time went."""
         if times is None:
-            return await self._step(sessions, pick)
+            return await self._step(sessions, pick, chunk)
         with self._timed(times):
-            return await self._step(sessions, pick)
+            return await self._step(sessions, pick, chunk)
 
     @contextlib.contextmanager
     def _timed(self, times: StepTimes):
@@ -179,7 +184,7 @@ class Pipeline:
             times.ended = time.monotonic()
             self.totals.add(times)
 
-    async def _step(self, sessions: list, pick: Pick) -> dict[str, int | list[int] | None]:
+    async def _step(self, sessions: list, pick: Pick, chunk: int) -> dict[str, int | list[int] | None]:
         failed_term: int | None = None
         failed = ""  # why the step failed under failed_term
         attempts = 0
@@ -197,7 +202,7 @@ class Pipeline:
                     s.cached = 0
                 if start != len(s.tokens) - 1:
                     s.draft = []  # a draft rides only beside a decode row (not a prompt's or a replay's)
-                work.append((s, start, min(len(s.tokens) + len(s.draft) - start, PREFILL_CHUNK)))
+                work.append((s, start, min(len(s.tokens) + len(s.draft) - start, chunk)))
                 # Never lowered: a replay from 0 on a kept cache keeps its memory (a new plan's
                 # fresh caches hold less, which counts a little more than they hold at worst).
                 s.kv_peak = max(s.kv_peak, start + work[-1][2])

@@ -29,7 +29,7 @@ from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.drafter import DraftModel
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 from meshd.serving.output import Chunk, ChoiceOutput
-from meshd.serving.pipeline import PREFILL_CHUNK, Pipeline
+from meshd.serving.pipeline import PREFILL_CHUNK, SHARED_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
 from meshd.serving.traces import Chain, Trace
 from shards.engine import URGENT
@@ -219,8 +219,6 @@ class Scheduler:
                 tg.create_task(self._lane_loop(lane))
 
     async def _lane_loop(self, lane: Lane) -> None:
-        if lane.first_tokens:
-            URGENT.set(True)  # this task's engine calls go before the decode lanes' queued ones
         while True:
             if not lane.sessions:
                 lane.wake.clear()
@@ -235,8 +233,9 @@ class Scheduler:
             if self.drafter is not None and not lane.first_tokens:  # (a first token waits for no draft)
                 await self._draft_by_model(batch)
             times = StepTimes()  # where the step's time goes: its sessions' timelines, the live figures
+            chunk = self._first_token_step(batch) if lane.first_tokens else PREFILL_CHUNK
             try:
-                results = await self.pipeline.step(batch, _pick, times)
+                results = await self.pipeline.step(batch, _pick, times, chunk)
                 if timed:
                     self.step_cost.ran(times.ended - times.began, len(batch[0].draft))
             except KNOWN_ERRORS as exc:  # NoCapacity: no plan came back in time
@@ -291,6 +290,19 @@ class Scheduler:
                 if not s.finished and lane.first_tokens:  # it has its first token: on to a decode lane
                     lane.sessions.remove(s)
                     self._enqueue_decode(s)
+
+    def _first_token_step(self, batch: list[Session]) -> int:
+        """How many prompt rows a session takes in this step of the first-token lane, and
+        (this task's ``URGENT``) whether its engine calls go before the decode lanes' queued
+        ones: they do where a session gets its first token from the step. While streams
+        decode, a longer prompt goes SHARED_CHUNK rows a step, its steps before the last
+        queued behind theirs, so that they go on between its chunks."""
+        plan = self.pipeline.plan
+        decoding = any(lane.sessions for lane in self.lanes if not lane.first_tokens)
+        chunk = SHARED_CHUNK if decoding else PREFILL_CHUNK
+        left = [len(s.tokens) - (s.cached if plan is not None and s.term == plan.term else 0) for s in batch]
+        URGENT.set(not decoding or any(n <= chunk for n in left))
+        return chunk
 
     def _draft(self, batch: list[Session]) -> bool:
         """Prompt lookup drafts for the step's sessions that decode (one row to go), in a
