@@ -440,16 +440,23 @@ class Node:
             self.scheduler.tokenizer = MeshTokenizer.load(model_dir, self.chat_template)
             if self.scheduler.tokenizer.template.available:
                 template_sandbox.pool().warm()  # the render workers start now, not at the first chat
-        budget = self.config.kv_budget_tokens
-        if budget is None:
-            per_token = kv_bytes_per_token(manifest.config, torch.float32)
-            budget = max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
-        self.scheduler.kv_budget_tokens = budget
+        self.scheduler.kv_budget_tokens = self._kv_budget(manifest)
         if self.config.draft_model and self._drafter_for != (digest := manifest.digest):
             self._drafter_for = digest  # (another served model than the draft model was checked against)
             self.scheduler.drop_drafter()
             self.spawn(self._load_drafter(manifest, digest))
         return self.scheduler.tokenizer.template.origin or NO_CHAT
+
+    def _kv_budget(self, manifest: Manifest) -> int:
+        """KV positions the scheduler admits: the configured budget, else what KV_SHARE of
+        this peer's memory holds, a position costing the served model's KV and, once one is
+        loaded, the draft model's (its caches, one per session drafting, sit here too)."""
+        if self.config.kv_budget_tokens is not None:
+            return self.config.kv_budget_tokens
+        per_token = kv_bytes_per_token(manifest.config, torch.float32)
+        if (drafter := self.scheduler.drafter) is not None:
+            per_token += kv_bytes_per_token(drafter.engine.manifest.config, torch.float32)
+        return max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
 
     async def _load_drafter(self, target: Manifest, digest: str) -> None:
         """The draft model, loaded once this peer serves a model (off the loop), checked
@@ -467,7 +474,9 @@ class Node:
             await asyncio.to_thread(drafter.close)
             return
         self.scheduler.drafter = drafter
-        log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers)
+        self.scheduler.kv_budget_tokens = self._kv_budget(target)
+        log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers,
+                 kv_budget_tokens=self.scheduler.kv_budget_tokens)
 
     def serves(self) -> bool:
         view = self.view

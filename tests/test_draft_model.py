@@ -12,9 +12,12 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+import torch
 
 from meshd.serving import drafter as drafter_module
+from meshd.node import KV_SHARE
 from meshd.serving.drafter import DraftModel
+from meshd.serving.scheduler import kv_bytes_per_token
 from shards.convert import convert
 from shards.errors import ModelError
 from shards.manifest import Manifest
@@ -63,6 +66,12 @@ async def test_answers_are_the_same_with_a_draft_models_drafts_and_they_are_chec
                             draft_model=str(draft_dir)) as served:
         drafter = await _drafting(served)
         assert drafter.name == "tiny-draft"
+        # its caches sit on this peer too: a position of the KV budget costs both models' KV
+        target, draft = Manifest.load(tiny_model_dir).config, drafter.engine.manifest.config
+        memory = int(served.node.view.caps.mem_budget * KV_SHARE)
+        alone = max(target.max_position, memory // kv_bytes_per_token(target, torch.float32))
+        both = kv_bytes_per_token(target, torch.float32) + kv_bytes_per_token(draft, torch.float32)
+        assert served.node.scheduler.kv_budget_tokens == max(target.max_position, memory // both) < alone
         for prompt in PROMPTS:
             for body in ({"prompt": prompt, "max_tokens": 24, "temperature": 0},
                          {"prompt": prompt, "max_tokens": 24, "temperature": 0.9, "seed": 5, "logprobs": 2}):
