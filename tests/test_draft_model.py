@@ -131,10 +131,10 @@ async def test_a_draft_follows_its_session_as_a_fresh_one_would_and_skips_ids_it
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_prompt_warmed_beside_the_lanes_drafts_as_a_fresh_session_and_a_forgotten_one_leaves_nothing(
         tiny_model_dir, draft_dir, monkeypatch):
-    """``warm`` feeds a new session's prompt to its draft cache in chunks (three calls here),
-    not ready to draft until it is through; its first draft then feeds one row and guesses
-    what a session fed everything at once guesses. A session forgotten while its prompt
-    feeds leaves no draft cache behind."""
+    """``warm`` feeds a session's prompt to its draft cache in chunks (three calls here), not
+    ready to draft until it is through; its first draft then guesses what a session fed
+    everything at once guesses. A session forgotten while its prompt feeds leaves no draft
+    cache behind; one still feeding is not evicted for another's draft."""
     monkeypatch.setattr(drafter_module, "WARM_CHUNK", 4)
     drafter = DraftModel.load(draft_dir, Manifest.load(tiny_model_dir))
     tokens = list(range(5, 16))
@@ -154,6 +154,18 @@ async def test_a_prompt_warmed_beside_the_lanes_drafts_as_a_fresh_session_and_a_
         drafter._feed = forgotten_after_the_first_chunk
         await drafter.warm("gone", tokens)
         assert fed == [4]  # one chunk fed, the rest not
-        assert drafter.engine.cached_length("gone") == 0 and drafter.ready("gone") and "gone" not in drafter._known
+        assert drafter.engine.cached_length("gone") == 0 and not drafter.warming("gone") and "gone" not in drafter._known
+        # Another session's draft past MAX_SESSIONS between two of a warm's chunks evicts an
+        # idle session's cache, never the one still feeding.
+        monkeypatch.setattr(drafter_module, "MAX_SESSIONS", 1)
+
+        def drafting_between_chunks(session, tokens, start, n):
+            done = feed(session, tokens, start, n)
+            if session == "busy" and start == 0:
+                drafter._greedy("other", [5, 6, 7], 2)  # (on the engine's thread, as a draft runs)
+            return done
+        drafter._feed = drafting_between_chunks
+        await drafter.warm("busy", tokens)
+        assert drafter.ready("busy") and drafter.engine.cached_length("busy") == len(tokens) - 1
     finally:
         drafter.close()

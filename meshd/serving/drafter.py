@@ -8,8 +8,8 @@ differs. As vLLM's and transformers' assisted generation, across the mesh's stag
 The draft model keeps a KV cache per session in its own engine (its own worker thread):
 each call feeds only the tokens the session gained since the last one (those taken from the
 last draft, and the model's own token after them), cutting its cache back to where the
-guess and the session parted. A new session's prompt is fed beside the lanes (``warm``, in
-chunks, while the stages take the prompt too): its drafts wait for that, not the lane's
+guess and the session parted. A session's prompt is fed beside the lanes (``warm``, in
+chunks), once its first draft would pay: its model drafts wait for that, not the lane's
 steps, so a long prompt's first draft never holds every stream of its lane.
 """
 
@@ -70,14 +70,14 @@ class DraftModel:
         would pass its context)."""
         if k <= 0 or not tokens or len(tokens) + k > self.context or max(tokens) >= self.vocab:
             return []  # (a target's id past a smaller draft vocabulary: its padding, or a client's)
-        t0 = time.perf_counter()
-        out, fed = await self.engine.run(lambda: self._greedy(session, tokens, k))
-        took = (time.perf_counter() - t0) / fed  # per row (a session not warmed feeds its whole prompt)
+        out, fed, seconds = await self.engine.run(lambda: self._greedy(session, tokens, k))
+        took = seconds / fed  # per row, on the engine's thread (not the wait behind a warm's chunk)
         self.token_s = took if not self.token_s else (1 - EMA) * self.token_s + EMA * took
         return out
 
-    def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int]:  # on the engine's thread
-        """The draft, and how many rows it fed the model."""
+    def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int, float]:  # on the engine's thread
+        """The draft, how many rows it fed the model, and the seconds that took."""
+        t0 = time.perf_counter()
         with self._lock:
             known = self._known.pop(session, [])
         same = 0
@@ -94,51 +94,66 @@ class DraftModel:
             out.append(int(e._head(x)[0].argmax()))
         with self._lock:
             self._known[session] = tokens + out[:-1]  # what its cache holds now
-            evicted = list(self._known)[:max(0, len(self._known) - MAX_SESSIONS)]
+            # the least recently drafted beyond MAX_SESSIONS (not one whose prompt still feeds)
+            idle = [s for s in self._known if s not in self._warming]
+            evicted = idle[:max(0, len(self._known) - MAX_SESSIONS)]
             for oldest in evicted:
                 del self._known[oldest]
         for oldest in evicted:
             e.drop(oldest)
-        return out, len(tokens) - start + k - 1
+        return out, len(tokens) - start + k - 1, time.perf_counter() - t0
 
     def ready(self, session: str) -> bool:
-        """Whether the session may draft now: not while ``warm`` feeds its prompt."""
-        return session not in self._warming
+        """Whether the session may draft now: its draft cache follows it (``warm`` fed its
+        prompt, or a draft since), not while ``warm`` feeds."""
+        with self._lock:
+            return session in self._known and session not in self._warming
 
     def warm(self, session: str, tokens: list[int]) -> Coroutine[None, None, None]:
-        """Feed a new session's tokens but the last (which its first draft feeds) to its
-        draft cache: the coroutine to run beside the lanes. From this call until it ends
-        the session is not ``ready``."""
+        """Feed a session's tokens but the last (which its first draft feeds) to its draft
+        cache: the coroutine to run beside the lanes. From this call until it ends the
+        session is not ``ready``, nor warmed again (``warming``)."""
         with self._lock:
             self._warming.add(session)
         return self._warm(session, list(tokens))
+
+    def warming(self, session: str) -> bool:
+        return session in self._warming
 
     async def _warm(self, session: str, tokens: list[int]) -> None:
         try:
             end = len(tokens) - 1
             if end <= 0 or len(tokens) > self.context or max(tokens) >= self.vocab:
-                return  # (no draft will be made for it: ``draft`` says the same)
+                with self._lock:  # nothing to feed: ready (``draft`` feeds or declines it), not warmed again
+                    if session in self._warming:
+                        self._known[session] = []
+                return
             for start in range(0, end, WARM_CHUNK):
                 n = min(WARM_CHUNK, end - start)
-                await self.engine.run(functools.partial(self._feed, session, tokens, start, n))
+                fed = await self.engine.run(functools.partial(self._feed, session, tokens, start, n))
                 with self._lock:
                     gone = session not in self._warming
                 if gone:  # forgotten meanwhile: ``forget`` left its cache to this
                     self.engine.drop(session)
                     return
+                if not fed:  # its cache went under it (a drop_all): its first draft feeds the rest
+                    return
         finally:
             with self._lock:
                 self._warming.discard(session)
 
-    def _feed(self, session: str, tokens: list[int], start: int, n: int) -> None:  # on the engine's thread
-        with self._lock:
-            if session not in self._warming:
-                return
+    def _feed(self, session: str, tokens: list[int], start: int, n: int) -> bool:  # on the engine's thread
+        """Rows start..start+n-1 into the session's draft cache; False where the cache
+        does not hold the rows before them (nothing fed)."""
         e = self.engine
+        with self._lock:
+            if session not in self._warming or e.cached_length(session) != start:
+                return False
         e._forward_batch([(session, start, n)], e._embed(tokens[start:start + n]))
         with self._lock:
             if session in self._warming:
                 self._known[session] = tokens[:start + n]
+        return True
 
     def forget(self, session: str) -> None:
         """The session ended: its draft cache goes (once ``warm`` is through with it, where

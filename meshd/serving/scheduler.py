@@ -295,10 +295,13 @@ class Scheduler:
         """How many prompt rows a session takes in this step of the first-token lane, and
         (this task's ``URGENT``) whether its engine calls go before the decode lanes' queued
         ones: they do where a session gets its first token from the step. While streams
-        decode, a longer prompt goes SHARED_CHUNK rows a step, its steps before the last
-        queued behind theirs, so that they go on between its chunks."""
+        decode on a plan of one stage, a longer prompt goes SHARED_CHUNK rows a step, its
+        steps before the last queued behind theirs, so that they go on between its chunks.
+        (Over several stages a prompt past a chunk is prefilled beside the lanes, as a
+        wavefront: a shorter one's step stays whole, one trip through the stages.)"""
         plan = self.pipeline.plan
-        decoding = any(lane.sessions for lane in self.lanes if not lane.first_tokens)
+        one_stage = plan is None or len(plan.assignments) == 1
+        decoding = one_stage and any(lane.sessions for lane in self.lanes if not lane.first_tokens)
         chunk = SHARED_CHUNK if decoding else PREFILL_CHUNK
         left = [len(s.tokens) - (s.cached if plan is not None and s.term == plan.term else 0) for s in batch]
         URGENT.set(not decoding or any(n <= chunk for n in left))
@@ -361,12 +364,15 @@ class Scheduler:
         if drafter is None or len(batch) > SPECULATE_UP_TO:
             return
         for s in self._decoding(batch):
-            if s.lookup is None or s.draft or not drafter.ready(s.id):  # (its prompt still feeding: no wait)
+            if s.lookup is None or s.draft or drafter.warming(s.id):  # (its prompt still feeding: no wait)
                 continue
             room = min(DRAFT_MODEL_TOKENS, s.params.max_tokens - len(s.generated) - 1)
             rate = drafter.acceptance.rate
             k = room if self.draft_always else self.step_cost.best_draft(rate, room, drafter.token_s)
             if k <= 0:
+                continue
+            if not drafter.ready(s.id):  # its first draft would pay: its tokens go in beside the lanes first
+                self._spawn(self._warm_drafter(drafter, drafter.warm(s.id, s.tokens)))
                 continue
             try:
                 guess = await drafter.draft(s.id, s.tokens, k)
@@ -598,14 +604,11 @@ class Scheduler:
                           # are the tokens kept, so it never needs to take one back.
                           lookup=PromptLookup() if self.speculate else None)
         self._admit(session)
-        if self.drafter is not None and session.lookup is not None and params.max_tokens > 1:
-            self._spawn(self._warm_drafter(self.drafter, self.drafter.warm(session.id, session.tokens)))
         return session
 
     async def _warm_drafter(self, drafter: DraftModel, warming: Coroutine[None, None, None]) -> None:
-        """The draft model takes a session's prompt beside the lanes (``DraftModel.warm``:
-        not ready to draft from the call, in ``open``, to the end); one that fails is put
-        aside, as a failed draft's is."""
+        """The draft model takes a session's tokens beside the lanes (``DraftModel.warm``);
+        one that fails is put aside, as a failed draft's is."""
         try:
             await warming
         except Exception as exc:  # its engine closed, or what no check foresaw: lookup goes on alone
