@@ -82,8 +82,9 @@ class Config:
     # one), and how long one may sit idle or take to send its headers (or body).
     max_connections: int = 1024
     http_idle_s: float = 30.0
-    # KV cache positions (summed over sessions, prompt + max_tokens each) the
-    # supernode admits before answering 503; None: a quarter of the memory budget.
+    # KV cache positions (summed over sessions, prompt + max_tokens each in the whole
+    # 256-position chunks the stages' caches take) the supernode admits before
+    # answering 503; None: a quarter of the memory budget.
     kv_budget_tokens: int | None = None
     # Batch jobs (OpenAI's Batch API): lines this peer keeps in flight at once (enough
     # to fill a step's batch; the scheduler keeps interactive requests ahead of them),

@@ -13,6 +13,7 @@ import time
 import aiohttp
 import pytest
 
+from shards.layers import KVCache
 from shards.tokenizer import MeshTokenizer
 from tests.fixtures.api import PROMPT, assert_error_body, assert_still_serves, complete, greedy, post
 from tests.fixtures.daemon import running_node
@@ -179,14 +180,14 @@ async def test_node_without_its_model_answers_503_and_says_why(tmp_path):
 
 
 async def test_a_full_kv_budget_is_a_503_until_positions_come_back(tiny_model_dir, tmp_path):
-    """KV admission: a request that would overrun the budget (positions reserved for the
-    prompt plus max_tokens of every running session) is refused with a 503 naming the
-    budget, and served once the running one is done."""
+    """KV admission: a request that would overrun the budget (the cache chunks each running
+    session's prompt plus max_tokens take on the stages: one chunk of 256 here) is refused
+    with a 503 naming the budget, and served once the running one is done."""
     prompt = len(MeshTokenizer.load(tiny_model_dir).encode(PROMPT))
-    async with running_node(tiny_model_dir, tmp_path / "state", kv_budget_tokens=prompt + 30,
+    async with running_node(tiny_model_dir, tmp_path / "state", kv_budget_tokens=KVCache.CHUNK,
                             debug_layer_delay_ms=5.0) as served:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            got, data = await post(http, served.url, greedy(max_tokens=31))
+            got, data = await post(http, served.url, greedy(max_tokens=KVCache.CHUNK - prompt + 1))  # two chunks
             assert got == 503, data
             assert_error_body(data)
             assert data["error"]["code"] == "mesh_unavailable" and "KV cache budget full" in data["error"]["message"]

@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 
 from meshd.control.tunnel import CLIENT_HEADER, TUNNEL_HEADER
+from shards.layers import KVCache
 from tests.fixtures.api import assert_error_body
 from tests.fixtures.daemon import http_get, linked_pair, running_daemon, running_node
 
@@ -118,7 +119,8 @@ def test_malformed_bodies_are_400_with_the_error_shape(tiny_daemon, raw, what):
 async def test_one_client_cannot_hold_the_whole_kv_budget(tiny_model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("key-a\nkey-b\n")
-    async with running_node(tiny_model_dir, tmp_path / "state", kv_budget_tokens=400, api_key_file=keys,
+    # Three cache chunks: a request of up to 256 positions holds one (kvbudget.charge).
+    async with running_node(tiny_model_dir, tmp_path / "state", kv_budget_tokens=3 * KVCache.CHUNK, api_key_file=keys,
                             debug_layer_delay_ms=5.0) as served, aiohttp.ClientSession() as http:
         def body(n: int, stream: bool = False) -> dict:
             return {"prompt": "A mesh of small machines", "max_tokens": n, "temperature": 0, "stream": stream}
@@ -128,7 +130,7 @@ async def test_one_client_cannot_hold_the_whole_kv_budget(tiny_model_dir, tmp_pa
             assert first.status == 200
             await first.content.readline()  # its session is admitted and running
             assert served.node.scheduler.reserved_tokens > 150
-            # Client A again: 215 of 400 would fit the budget, not half of it.
+            # Client A again: two chunks of three would fit the budget, not half of it.
             async with http.post(served.url + "/v1/completions", json=body(50), headers=a) as second:
                 data = await second.json()
                 assert second.status == 503, data
@@ -161,7 +163,8 @@ async def test_fairness_counts_the_client_an_entry_peer_serves_and_no_claimed_on
     token, or a wrong one) is not believed: A calling itself someone else still waits,
     and B calling itself A still gets in."""
     a_id, b_id = "addr:127.0.0.2", "addr:127.0.0.3"
-    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=400, debug_layer_delay_ms=5.0) as (sup, entry), \
+    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=3 * KVCache.CHUNK,
+                           debug_layer_delay_ms=5.0) as (sup, entry), \
             from_address("127.0.0.2") as a, from_address("127.0.0.3") as b:
         reserved = sup.node.scheduler.reserved_by
 

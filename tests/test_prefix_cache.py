@@ -194,9 +194,9 @@ async def test_the_cache_gives_positions_back_and_a_new_term_invalidates_it(mesh
     sched, a, b = await mesh()
     reply = await generate(sched, TURN1)
     held = len(TURN1) + len(reply) - 1
-    # Room for the running request plus exactly what the cache holds: admitted, nothing evicted.
-    assert sched.prefix.held == KV_CHUNK and held < KV_CHUNK
-    sched.kv_budget_tokens = KV_CHUNK + len(TURN1) + REPLY
+    # Room for the running request (a chunk) plus exactly what the cache holds: admitted, nothing evicted.
+    assert sched.prefix.held == KV_CHUNK and held < KV_CHUNK and len(TURN1) + REPLY <= KV_CHUNK
+    sched.kv_budget_tokens = 2 * KV_CHUNK
     other = [t + 1 for t in TURN1]
     await generate(sched, other)
     assert sched.prefix.stats()["entries"] == 2 and sched.prefix.stats()["evictions"] == 0

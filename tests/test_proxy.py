@@ -19,6 +19,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
+from shards.layers import KVCache
 from tests.fixtures.api import PROMPT, greedy, post
 from tests.fixtures.daemon import linked_pair, running_node
 from tests.meshlab import greedy_reference
@@ -289,9 +290,9 @@ def after_tokens(k: int):
 async def test_a_refusal_upstream_is_never_a_200(tiny_model_dir, tmp_path):
     """The supernode's KV budget is full: through the entry peer the client gets the 503
     (whole or streamed), not a 200 with empty text and no finish reason."""
-    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=40) as (sup, entry):
+    async with linked_pair(tiny_model_dir, tmp_path, kv_budget_tokens=KVCache.CHUNK) as (sup, entry):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            body = greedy(max_tokens=64)
+            body = greedy(max_tokens=KVCache.CHUNK)  # two cache chunks with its prompt: past the budget
             for stream_it in (False, True):
                 async with http.post(entry.url + "/v1/completions", json=body | {"stream": stream_it}) as resp:
                     data = await resp.json(content_type=None)

@@ -1,6 +1,6 @@
 """The supernode's scheduler, in process, on the tiny model as one local stage: the KV
-admission budget (a request that would overrun it is refused with NoCapacity, the 503,
-until a running one finishes and gives its positions back), max_tokens and stop
+admission budget (a request that would overrun it, counted in the stages' cache chunks,
+is refused with NoCapacity, the 503, until a running one finishes and gives them back), max_tokens and stop
 strings, and a pipeline with no plan ending a generation with the reason, its
 reservation freed."""
 
@@ -17,6 +17,7 @@ from meshd.serving.pipeline import Pipeline
 from meshd.serving.scheduler import Scheduler
 from protocol.messages import Assignment, NodeId
 from shards.engine import StageEngine
+from shards.layers import KVCache
 from shards.manifest import Manifest
 from shards.sampling import SamplingParams
 from shards.span import Span
@@ -53,13 +54,17 @@ async def run(sched: Scheduler, params: SamplingParams) -> tuple[str, list[int],
 
 
 async def test_kv_budget_refuses_what_would_overrun_it_until_positions_come_back(scheduler):
+    """A session is charged the whole cache chunks its stages allocate for prompt +
+    max_tokens (a chunk of 256 here), not the positions alone."""
     prompt = len(scheduler.tokenizer.encode(PROMPT))
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    scheduler.kv_budget_tokens = prompt + 8  # room for exactly one such request
+    scheduler.kv_budget_tokens = KVCache.CHUNK + prompt + 8  # a chunk and a bit: room for one such request
     first = scheduler.generate(scheduler.tokenizer.encode(PROMPT), params)
     await first.__anext__()  # admitted and generating: its positions are reserved
-    assert scheduler.reserved_tokens == prompt + 8
-    with pytest.raises(NoCapacity, match=rf"KV cache budget full: {prompt + 8} of {prompt + 8} positions"):
+    assert scheduler.reserved_tokens == KVCache.CHUNK
+    budget = KVCache.CHUNK + prompt + 8
+    with pytest.raises(NoCapacity, match=rf"KV cache budget full: {KVCache.CHUNK} of {budget} positions in use, "
+                                         rf"this request needs {KVCache.CHUNK}"):
         await run(scheduler, params)
     assert len(scheduler.active) == 1, "the refused request left a session behind"
     async for _ in first:

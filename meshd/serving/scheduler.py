@@ -27,6 +27,7 @@ import torch
 from meshd.control.timing import StepTimes, ms
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.drafter import DraftModel
+from meshd.serving.kvbudget import KVBudget, charge
 from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
 from meshd.serving.output import Chunk, ChoiceOutput
 from meshd.serving.pipeline import PREFILL_CHUNK, SHARED_CHUNK, Pipeline
@@ -42,21 +43,16 @@ log = structlog.get_logger()
 
 MAX_LANES = 4
 MAX_BATCH = 64  # sessions per lane step
-# A client with requests in flight may hold at most this share of the KV budget (its one
-# request, all its choices, is admitted whenever the budget fits it): no client can lock
-# every other client out.
-CLIENT_SHARE = 0.5
 
 # Interactive requests keep priority over batch-job lines (meshd/serving/batch.py), which
 # fill the room they leave:
 # - while any interactive session runs, a lane step carries all its interactive sessions
 #   but at most BATCH_BESIDE_INTERACTIVE batch ones (taken in turn, see ``pick_step``), so
 #   an interactive stream's steps stay nearly as short as when it runs alone;
-# - batch sessions reserve at most BATCH_KV_SHARE of the KV budget (beyond it they get a
+# - batch sessions reserve at most kvbudget.BATCH_KV_SHARE of the KV budget (beyond it they get a
 #   503 and the batch runner retries), so room for interactive requests stays free.
 # With no interactive session running, batch sessions fill whole steps (MAX_BATCH).
 BATCH_BESIDE_INTERACTIVE = 4
-BATCH_KV_SHARE = 0.75
 # Speculation pays while a step's rows are few: beside a bigger batch the drafted rows cost
 # what the running streams' own rows would (their tokens come one per step anyway).
 SPECULATE_UP_TO = 4  # sessions in a step
@@ -103,7 +99,7 @@ class Session:
     # and under which plan term (another term means the caches may be gone).
     cached: int = 0
     term: int | None = None
-    reserved: int = 0  # KV positions admitted for it
+    reserved: int = 0  # KV positions admitted for it (whole cache chunks: kvbudget.charge)
     kv_peak: int = 0  # the most positions its stage caches reached (they keep that memory when cut back)
     client: str | None = None  # who asked (an API key's hash, an address), for KV fairness
     request: object = None  # the request it is a choice of (a request's choices count as one)
@@ -183,15 +179,12 @@ class Scheduler:
                  on_finished: Callable[[], None] | None = None, prefix_entries: int = 32, speculate: str = "auto"):
         self.pipeline = pipeline
         self.tokenizer = tokenizer
-        self.kv_budget_tokens = kv_budget_tokens
+        self.kv = KVBudget(kv_budget_tokens)  # running sessions' reservations, in the stages' chunks
         self.on_finished = on_finished  # after each generation ends (a drain waits for none to be left)
         self.active: dict[str, Session] = {}
         # The decode lanes, then the first-token lane (last: ``_enqueue`` slices the decode ones).
         self.lanes = ([Lane(i, node=pipeline.node) for i in range(MAX_LANES)]
                       + [Lane(MAX_LANES, first_tokens=True, node=pipeline.node)])
-        self.reserved_tokens = 0
-        self.reserved_by: dict[object, int] = {}  # KV positions per client, and per request
-        self.batch_reserved = 0  # of reserved_tokens, held by batch-class sessions
         self.interactive = 0  # interactive sessions admitted and not yet finished
         self.tokens_generated = 0
         self.shared_steps = 0  # steps that carried more than one session
@@ -210,6 +203,24 @@ class Scheduler:
         pipeline.on_plan = self._plan_changed
         if self.speculate:
             pipeline.next_rows = self._next_rows
+
+    @property
+    def kv_budget_tokens(self) -> int | None:
+        """The KV budget in positions (None: none)."""
+        return self.kv.total
+
+    @kv_budget_tokens.setter
+    def kv_budget_tokens(self, total: int | None) -> None:
+        self.kv.total = total
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV positions running sessions hold (each whole cache chunks: ``kvbudget.charge``)."""
+        return self.kv.reserved
+
+    @property
+    def reserved_by(self) -> dict[object, int]:
+        return self.kv.by
 
     # -- the loops (owned by the node's TaskGroup) ------------------------------------
 
@@ -429,11 +440,11 @@ class Scheduler:
         return max(1, min(MAX_LANES, stages))
 
     def _admit(self, session: Session) -> None:
-        """Reserve the session's KV positions (prompt + max_tokens), taking over a cached
-        prefix of its tokens if there is one, evicting cached prefixes the request
-        needs room for; NoCapacity when running sessions alone leave too little."""
-        need = session.prompt_len + session.params.max_tokens
-        budget = self.kv_budget_tokens
+        """Reserve the session's KV memory (prompt + max_tokens positions, in the whole
+        cache chunks the stages allocate), taking over a cached prefix of its tokens if
+        there is one, evicting cached prefixes the request needs room for; NoCapacity when
+        running sessions alone leave too little."""
+        need = charge(session.prompt_len + session.params.max_tokens)
         batch = session.priority is Priority.BATCH
         hit = None
         plan = self.pipeline.plan
@@ -441,21 +452,20 @@ class Scheduler:
             self._drop_later(self.prefix.stale(plan.term))
             if session.prompt_scores is None:  # a cached prefix's rows would go unscored
                 hit = self.prefix.find(session.tokens, plan.term)
-        if hit is not None and budget is not None and self._refusal(session, max(need, hit.held), budget):
+        if hit is not None and self._refusal(session, max(need, hit.held)):
             hit = None  # its caches hold more than there is room for: the prefix is computed again instead
         if hit is not None:
             need = max(need, hit.held)  # its caches keep the entry's memory, used or not
-        if budget is not None:
-            if (refused := self._refusal(session, need, budget)) is not None:
-                raise NoCapacity(refused)
-            taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
-            evicted: list[str] = []
-            while self.reserved_tokens + self.prefix.held - taken + need > budget:
-                # Always a key: with every entry but ``hit`` gone the checks above leave room.
-                if (gone := self.prefix.evict_one(keep=hit.key if hit is not None else None)) is None:
-                    break
-                evicted.append(gone)
-            self._drop_later(evicted)
+        if (refused := self._refusal(session, need)) is not None:
+            raise NoCapacity(refused)
+        taken = hit.held if hit is not None else 0  # becomes the session's, inside ``need``
+        evicted: list[str] = []
+        while self.kv.over(need, self.prefix.held - taken):
+            # Always a key: with every entry but ``hit`` gone the checks above leave room.
+            if (gone := self.prefix.evict_one(keep=hit.key if hit is not None else None)) is None:
+                break
+            evicted.append(gone)
+        self._drop_later(evicted)
         if hit is not None:
             assert plan is not None  # a hit is found only under a plan
             self.prefix.take(hit)
@@ -464,36 +474,19 @@ class Scheduler:
         elif self.prefix.enabled:
             self.prefix.miss()
         session.reserved = need
-        self.reserved_tokens += need
-        if batch:
-            self.batch_reserved += need
-        else:
+        self.kv.reserve(need, session.client, session.request, batch)
+        if not batch:
             self.interactive += 1
-        if session.client is not None:
-            for key in (session.client, ("request", session.request)):
-                self.reserved_by[key] = self.reserved_by.get(key, 0) + need
         self.active[session.id] = session
         if plan is not None and len(plan.assignments) > 1 and len(session.tokens) - session.cached > PREFILL_CHUNK:
             self._spawn(self._prefill_then_enqueue(session))
         else:
             self._enqueue(session)
 
-    def _refusal(self, session: Session, need: int, budget: int) -> str | None:
+    def _refusal(self, session: Session, need: int) -> str | None:
         """Why ``need`` more KV positions cannot be admitted for ``session`` (None: they can),
         with the prefix cache emptied if need be."""
-        if self.reserved_tokens + need > budget:
-            return (f"KV cache budget full: {self.reserved_tokens} of {budget} positions in use, "
-                    f"this request needs {need}; retry shortly")
-        held = self.reserved_by.get(session.client, 0) if session.client is not None else 0
-        others = held - self.reserved_by.get(("request", session.request), 0)  # its other requests'
-        if others > 0 and held + need > budget * CLIENT_SHARE:
-            return (f"this client holds {held} of the {budget} KV positions (at most {int(budget * CLIENT_SHARE)} "
-                    f"while others may need them), this request needs {need}; retry once one of its requests ends")
-        if (session.priority is Priority.BATCH and self.batch_reserved
-                and self.batch_reserved + need > budget * BATCH_KV_SHARE):
-            return (f"batch jobs hold their share of the KV cache budget ({self.batch_reserved} of "
-                    f"{budget} positions); retry shortly")
-        return None
+        return self.kv.refusal(need, session.client, session.request, session.priority is Priority.BATCH)
 
     def _enqueue(self, session: Session) -> None:
         """A new session (or one whose long prompt was prefilled beside the lanes) gets its
@@ -596,7 +589,7 @@ class Scheduler:
         session = Session(new_session_id(), list(prompt_ids) + list(history or ()), len(prompt_ids), params,
                           self.tokenizer.eos_ids, sampler=Sampler(params, mask, self.tokenizer.eos_ids),
                           priority=priority,
-                          # batch lines have a share of their own (BATCH_KV_SHARE), not a client's
+                          # batch lines have a share of their own (kvbudget.BATCH_KV_SHARE), not a client's
                           client=client if priority is Priority.INTERACTIVE else None,
                           request=request if request is not None else object(), trace=trace,
                           prompt_scores={} if params.prompt_logprobs is not None else None,
@@ -628,18 +621,10 @@ class Scheduler:
         """Give its KV reservation back (once)."""
         if self.active.pop(session.id, None) is None:
             return
-        if session.priority is Priority.BATCH:
-            self.batch_reserved -= session.reserved
-        else:
+        batch = session.priority is Priority.BATCH
+        if not batch:
             self.interactive -= 1
-        self.reserved_tokens -= session.reserved
-        if session.client is not None and session.reserved:
-            for key in (session.client, ("request", session.request)):
-                left = self.reserved_by.get(key, 0) - session.reserved
-                if left > 0:
-                    self.reserved_by[key] = left
-                else:
-                    self.reserved_by.pop(key, None)
+        self.kv.release(session.reserved, session.client, session.request, batch)
         if self.on_finished is not None:
             self.on_finished()
 
