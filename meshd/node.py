@@ -60,7 +60,7 @@ from meshd.serving.drafter import DraftModel
 from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
-from meshd.serving.pipeline import Pipeline
+from meshd.serving.pipeline import ActivePlan, Pipeline
 from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
 from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
@@ -173,6 +173,8 @@ class Node:
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
         self._drafter_for: str | None = None  # the manifest digest --draft-model was last loaded against
+        self._budget_model: Manifest | None = None  # the served model the KV budget is for (supernode)
+        self.pipeline.plan_listeners.append(self._plan_budget)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
                              use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
@@ -440,6 +442,7 @@ class Node:
             self.scheduler.tokenizer = MeshTokenizer.load(model_dir, self.chat_template)
             if self.scheduler.tokenizer.template.available:
                 template_sandbox.pool().warm()  # the render workers start now, not at the first chat
+        self._budget_model = manifest
         self.scheduler.kv_budget_tokens = self._kv_budget(manifest)
         if self.config.draft_model and self._drafter_for != (digest := manifest.digest):
             self._drafter_for = digest  # (another served model than the draft model was checked against)
@@ -448,15 +451,34 @@ class Node:
         return self.scheduler.tokenizer.template.origin or NO_CHAT
 
     def _kv_budget(self, manifest: Manifest) -> int:
-        """KV positions the scheduler admits: the configured budget, else what KV_SHARE of
-        this peer's memory holds, a position costing the served model's KV and, once one is
-        loaded, the draft model's (its caches, one per session drafting, sit here too)."""
+        """KV positions the scheduler admits: the configured budget, else the least that any
+        stage of the active plan holds in KV_SHARE of its peer's memory, a position costing
+        its span's layers' KV (and on this peer, once one is loaded, the draft model's: its
+        caches, one per session drafting, sit here too); before a plan, this peer holding
+        the whole model."""
         if self.config.kv_budget_tokens is not None:
             return self.config.kv_budget_tokens
-        per_token = kv_bytes_per_token(manifest.config, torch.float32)
-        if (drafter := self.scheduler.drafter) is not None:
-            per_token += kv_bytes_per_token(drafter.engine.manifest.config, torch.float32)
-        return max(manifest.config.max_position, int(self.view.caps.mem_budget * KV_SHARE) // per_token)
+        config = manifest.config
+        per_layer = kv_bytes_per_token(config, torch.float32) // max(1, config.n_layers)
+        drafter = self.scheduler.drafter
+        draft = kv_bytes_per_token(drafter.engine.manifest.config, torch.float32) if drafter is not None else 0
+        plan = self.pipeline.plan
+        stages = ([(a.node, len(a.span)) for a in plan.assignments] if plan is not None
+                  else [(self.node_id, config.n_layers)])
+        fits = []
+        for node, layers in stages:
+            caps = self.view.caps if node == self.node_id else getattr(self.view.links.get(node), "caps", None)
+            per_token = layers * per_layer + (draft if node == self.node_id else 0)
+            if caps is not None and per_token > 0:
+                fits.append(int(caps.mem_budget * KV_SHARE) // per_token)
+        if not fits:  # (a plan whose peers this one no longer links to: the last word is the next plan's)
+            fits.append(int(self.view.caps.mem_budget * KV_SHARE) // (config.n_layers * per_layer + draft))
+        return max(config.max_position, min(fits))
+
+    def _plan_budget(self, plan: ActivePlan | None) -> None:
+        """A new plan spreads the layers, and their KV, over other peers: the budget follows."""
+        if plan is not None and self._budget_model is not None and self.view.is_supernode:
+            self.scheduler.kv_budget_tokens = self._kv_budget(self._budget_model)
 
     async def _load_drafter(self, target: Manifest, digest: str) -> None:
         """The draft model, loaded once this peer serves a model (off the loop), checked

@@ -154,7 +154,8 @@ async def test_a_prompt_warmed_beside_the_lanes_drafts_as_a_fresh_session_and_a_
         drafter._feed = forgotten_after_the_first_chunk
         await drafter.warm("gone", tokens)
         assert fed == [4]  # one chunk fed, the rest not
-        assert drafter.engine.cached_length("gone") == 0 and not drafter.warming("gone") and "gone" not in drafter._known
+        assert drafter.engine.cached_length("gone") == 0
+        assert not drafter.warming("gone") and "gone" not in drafter._known
         # Another session's draft past MAX_SESSIONS between two of a warm's chunks evicts an
         # idle session's cache, never the one still feeding.
         monkeypatch.setattr(drafter_module, "MAX_SESSIONS", 1)

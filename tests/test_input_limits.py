@@ -24,9 +24,15 @@ from types import SimpleNamespace
 
 import aiohttp
 import pytest
+import torch
 
 from meshd.control.tunnel import CLIENT_HEADER, TUNNEL_HEADER
+from meshd.node import KV_SHARE
+from meshd.serving.scheduler import kv_bytes_per_token
+from protocol.messages import Assignment, NodeId
 from shards.layers import KVCache
+from shards.manifest import Manifest
+from shards.span import Span
 from tests.fixtures.api import assert_error_body
 from tests.fixtures.daemon import http_get, linked_pair, running_daemon, running_node
 
@@ -287,3 +293,32 @@ def test_an_ipv6_client_is_one_client_across_its_64():
     assert from_("2001:db8:1:3::1") == "addr:2001:db8:1:3::/64"
     assert from_("::ffff:192.0.2.7") == from_("192.0.2.7") == "addr:192.0.2.7"
     assert from_("192.0.2.8") != from_("192.0.2.7")
+
+
+async def test_the_kv_budget_is_what_the_tightest_stage_of_the_plan_holds(tiny_model_dir, tmp_path):
+    """With no budget configured, a plan over two peers admits what the stage with the least
+    KV room holds (a quarter of its peer's memory over its own layers' KV bytes a position),
+    recomputed at each plan; this peer alone holding every layer, what its memory holds for
+    all of them."""
+    async with running_node(tiny_model_dir, tmp_path / "state") as served:
+        node = served.node
+        config = Manifest.load(tiny_model_dir).config
+        per_layer = kv_bytes_per_token(config, torch.float32) // config.n_layers
+        mine = int(node.view.caps.mem_budget * KV_SHARE)
+        alone = node.scheduler.kv_budget_tokens
+        assert alone == max(config.max_position, mine // (config.n_layers * per_layer))
+        plan = node.pipeline.plan
+        small = node.view.caps.mem_budget // 64  # a peer with 1/64 of this one's memory
+        other = NodeId("other")
+        node.view.links[other] = SimpleNamespace(caps=SimpleNamespace(mem_budget=small), alive=False)  # (no link: its caps)
+        try:
+            split = (Assignment(node.node_id, Span(0, 2)), Assignment(other, Span(2, config.n_layers)))
+            await node.pipeline.serve(plan.term + 1, split, {node.node_id: plan.runners[node.node_id],
+                                                             other: plan.runners[node.node_id]})
+            tight = int(small * KV_SHARE) // ((config.n_layers - 2) * per_layer)
+            assert node.scheduler.kv_budget_tokens == max(config.max_position, min(mine // (2 * per_layer), tight))
+            assert node.scheduler.kv_budget_tokens < alone
+        finally:
+            del node.view.links[other]
+            await node.pipeline.serve(plan.term + 2, plan.assignments, dict(plan.runners))
+        assert node.scheduler.kv_budget_tokens == alone

@@ -75,8 +75,9 @@ class DraftModel:
         self.token_s = took if not self.token_s else (1 - EMA) * self.token_s + EMA * took
         return out
 
-    def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int, float]:  # on the engine's thread
-        """The draft, how many rows it fed the model, and the seconds that took."""
+    def _greedy(self, session: str, tokens: list[int], k: int) -> tuple[list[int], int, float]:
+        """The draft, how many rows it fed the model, and the seconds that took (on the
+        engine's thread)."""
         t0 = time.perf_counter()
         with self._lock:
             known = self._known.pop(session, [])

@@ -251,7 +251,8 @@ class _StateCollector:
             ("model_drafted", "Of the drafted tokens, the draft model's"),
             ("model_accepted", "Of the kept drafted tokens, the draft model's")))
         sched = status["node"]["scheduler"]
-        kv = GaugeMetricFamily("meshd_kv_reserved_tokens", "KV positions reserved by running sessions (prompt + max_tokens, in whole cache chunks)")
+        kv = GaugeMetricFamily("meshd_kv_reserved_tokens",
+                               "KV positions reserved by running sessions (prompt + max_tokens, in whole cache chunks)")
         kv.add_metric([], sched["kv_reserved"])
         yield kv
         kv = GaugeMetricFamily("meshd_kv_budget_tokens", "KV positions the supernode admits sessions up to (0: no budget)")

@@ -96,7 +96,9 @@ class Pipeline:
         self._unavailable = "no plan is active yet"
         self._moved: str | None = None  # this peer yielded or stops: steps fail at once with it
         self.replays = 0
-        self.on_plan: Callable[[ActivePlan | None], None] | None = None  # after every change of plan
+        # Called after every change of plan, in the order added (the scheduler's prefix cache,
+        # the node's KV budget): each part that follows the plan subscribes, none replaces another.
+        self.plan_listeners: list[Callable[[ActivePlan | None], None]] = []
         # The scheduler's guess of a session's next step's rows, were this step's draft all
         # taken and the token after it the one lookup expects ([]: no guess); None: no look-ahead.
         self.next_rows: Callable[[Session], list[int]] | None = None
@@ -126,8 +128,8 @@ class Pipeline:
             if plan is None:
                 self._unavailable = reason or "the mesh has no active plan"
             self._changed.notify_all()
-        if self.on_plan is not None:
-            self.on_plan(plan)
+        for listener in self.plan_listeners:
+            listener(plan)
 
     async def _wait_plan(self, newer_than: int | None, failed: str = "") -> ActivePlan:
         """The active plan, waiting (bounded) for one whose term is above ``newer_than``

@@ -200,7 +200,7 @@ class Scheduler:
         self.model_drafted = 0  # of ``drafted`` and ``accepted``, the draft model's
         self.model_accepted = 0
         self._background: set[asyncio.Task] = set()
-        pipeline.on_plan = self._plan_changed
+        pipeline.plan_listeners.append(self._plan_changed)
         if self.speculate:
             pipeline.next_rows = self._next_rows
 
