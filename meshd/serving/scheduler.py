@@ -28,7 +28,7 @@ from meshd.control.timing import StepTimes, ms
 from meshd.errors import KNOWN_ERRORS, NoCapacity, PeerLost, StageFailed
 from meshd.serving.drafter import DraftModel
 from meshd.serving.kvbudget import KVBudget, charge
-from meshd.serving.lookup import MAX_DRAFT, PromptLookup, StepCost
+from meshd.serving.lookup import MAX_DRAFT, MatchRates, PromptLookup, StepCost
 from meshd.serving.output import Chunk, ChoiceOutput
 from meshd.serving.pipeline import PREFILL_CHUNK, SHARED_CHUNK, Pipeline
 from meshd.serving.prefix import PrefixCache
@@ -193,6 +193,7 @@ class Scheduler:
         self.speculate = speculate != "off"  # prompt lookup drafts for decoding sessions
         self.draft_always = speculate == "always"  # every match in full, whatever it costs
         self.step_cost = StepCost()  # what a step's decode row and its drafted rows cost here
+        self.match_rates = MatchRates()  # how often lookup drafts are taken, by the suffix length they matched
         self.drafted = 0  # tokens drafted, taken, and the steps that checked a draft
         self.accepted = 0
         self.draft_steps = 0
@@ -287,7 +288,7 @@ class Scheduler:
                 if drafted and isinstance(got, list):
                     self._taken(s, len(drafted), len(got) - 1, by_model)
                 elif guess is not None and s.lookup is not None:  # (a guess is its lookup's)
-                    s.lookup.held_back(guess, tokens[0])
+                    self.match_rates.held_back(s.lookup.sent, guess, tokens[0])
                 for token in tokens:  # one, or a checked draft's: each as a step of its own would give it
                     if token in s.eos and not s.params.ignore_eos:
                         self._finish(s, None)
@@ -321,8 +322,8 @@ class Scheduler:
     def _draft(self, batch: list[Session]) -> bool:
         """Prompt lookup drafts for the step's sessions that decode (one row to go), in a
         step small enough for them, each as long as pays best on this peer's measured step
-        costs and the session's own rate of taken drafts (none where that is too low: the
-        first guessed token is still checked against what the step gives). True where the
+        costs and the rate at which drafts matching as long a suffix were taken (none where
+        that is too low: the first guessed token is still checked against what the step gives). True where the
         step is one session's decode row, whose time is then a step cost to learn from."""
         if not self.speculate or len(batch) > SPECULATE_UP_TO:
             return False
@@ -335,7 +336,9 @@ class Scheduler:
             guess = _grammar_cut(s, look.draft(s.tokens, room))
             if not guess:
                 continue
-            k = len(guess) if self.draft_always else self.step_cost.best_draft(look.rate, len(guess))
+            rate = self.match_rates.rate(look.matched)
+            k = len(guess) if self.draft_always else self.step_cost.best_draft(rate, len(guess))
+            look.sent = look.matched
             if k:
                 s.draft = guess[:k]
             else:
@@ -363,7 +366,8 @@ class Scheduler:
         # As long as ``_draft`` will take, on the rate as it stands (one more: this step's
         # outcome moves it): rows past that are the first span's time, which the head of this
         # step waits behind (free text drafted 8 guessed rows to use none, 0.89x 2 peers' speed).
-        k = len(then) if self.draft_always else self.step_cost.best_draft(look.rate, len(then))
+        rate = self.match_rates.rate(look.matched)  # (the match ``peek`` found for ``then``)
+        k = len(then) if self.draft_always else self.step_cost.best_draft(rate, len(then))
         return first + then[:k + 1]
 
     async def _draft_by_model(self, batch: list[Session]) -> None:
@@ -410,7 +414,7 @@ class Scheduler:
 
     def _taken(self, s: Session, drafted: int, accepted: int, by_model: bool) -> None:
         if not by_model:  # prompt lookup's draft: the session has its lookup
-            cast(PromptLookup, s.lookup).taken(drafted, accepted)
+            self.match_rates.taken(cast(PromptLookup, s.lookup).sent, drafted, accepted)
         elif self.drafter is not None:
             self.drafter.acceptance.taken(drafted, accepted)
         self.drafted += drafted
