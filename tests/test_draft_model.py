@@ -139,12 +139,23 @@ async def test_a_prompt_warmed_beside_the_lanes_drafts_as_a_fresh_session_and_a_
     drafter = DraftModel.load(draft_dir, Manifest.load(tiny_model_dir))
     tokens = list(range(5, 16))
     try:
+        calls: list[int] = []
+        feed = drafter._feed
+
+        def counted(session, tokens, start, n):
+            calls.append(n)
+            return feed(session, tokens, start, n)
+        drafter._feed = counted
         warming = drafter.warm("w", tokens)
         assert not drafter.ready("w")
         await warming
+        drafter._feed = feed
+        assert calls == [4, 4, 2]  # three calls: the tokens but the last, WARM_CHUNK at a time
         assert drafter.ready("w") and drafter.engine.cached_length("w") == len(tokens) - 1
-        assert await drafter.draft("w", tokens, 3) == await drafter.draft("fresh", tokens, 3)
-        feed, fed = drafter._feed, []
+        # its first draft feeds its last token and the guesses (1 + 3 - 1 rows), not the prompt
+        guess, rows, _ = await drafter.engine.run(lambda: drafter._greedy("w", tokens, 3))
+        assert rows == 3 and guess == await drafter.draft("fresh", tokens, 3)
+        fed: list[int] = []
 
         def forgotten_after_the_first_chunk(session, tokens, start, n):
             feed(session, tokens, start, n)
