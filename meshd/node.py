@@ -463,17 +463,17 @@ class Node:
         drafter = self.scheduler.drafter
         draft = kv_bytes_per_token(drafter.engine.manifest.config, torch.float32) if drafter is not None else 0
         plan = self.pipeline.plan
-        stages = ([(a.node, len(a.span)) for a in plan.assignments] if plan is not None
-                  else [(self.node_id, config.n_layers)])
-        fits = []
-        for node, layers in stages:
-            caps = self.view.caps if node == self.node_id else getattr(self.view.links.get(node), "caps", None)
-            per_token = layers * per_layer + (draft if node == self.node_id else 0)
+        stages = []  # (a stage's peer's caps, its KV bytes a position)
+        for a in plan.assignments if plan is not None else ():
+            here = a.node == self.node_id
+            link = None if here else self.view.links.get(a.node)
+            caps = self.view.caps if here else link.caps if link is not None else None
+            per_token = len(a.span) * per_layer + (draft if here else 0)
             if caps is not None and per_token > 0:
-                fits.append(int(caps.mem_budget * KV_SHARE) // per_token)
-        if not fits:  # (a plan whose peers this one no longer links to: the last word is the next plan's)
-            fits.append(int(self.view.caps.mem_budget * KV_SHARE) // (config.n_layers * per_layer + draft))
-        return max(config.max_position, min(fits))
+                stages.append((caps, per_token))
+        if not stages:  # before a plan, or one whose peers this one no longer links to (the next has the say)
+            stages = [(self.view.caps, config.n_layers * per_layer + draft)]  # this peer holding every layer
+        return max(config.max_position, min(int(caps.mem_budget * KV_SHARE) // n for caps, n in stages))
 
     def _plan_budget(self, plan: ActivePlan | None) -> None:
         """A new plan spreads the layers, and their KV, over other peers: the budget follows."""

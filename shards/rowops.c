@@ -272,8 +272,6 @@ static void weigh_values(const float *p, int64_t S, int64_t group, const float *
     }
 }
 #define FAST_ATTENTION(hd) ((hd) % 16 == 0)
-#else
-#define FAST_ATTENTION(hd) 0
 #endif
 
 static void scores(const float *restrict q, const float *restrict k, int64_t S, int64_t hd, float scale,

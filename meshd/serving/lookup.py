@@ -74,9 +74,6 @@ class MatchRates:
         step gave: a draft's worth is still learned while none is sent."""
         self._by_length[matched].taken(1, int(guess == token))
 
-    def rates(self) -> dict[int, float]:
-        return {n: round(a.rate, 4) for n, a in self._by_length.items()}
-
 
 class PromptLookup:
     """The n-grams of one session's tokens, each mapped to the position of the token that

@@ -323,8 +323,9 @@ class Scheduler:
         """Prompt lookup drafts for the step's sessions that decode (one row to go), in a
         step small enough for them, each as long as pays best on this peer's measured step
         costs and the rate at which drafts matching as long a suffix were taken (none where
-        that is too low: the first guessed token is still checked against what the step gives). True where the
-        step is one session's decode row, whose time is then a step cost to learn from."""
+        that is too low: the first guessed token is still checked against what the step
+        gives). True where the step is one session's decode row, whose time is then a step
+        cost to learn from."""
         if not self.speculate or len(batch) > SPECULATE_UP_TO:
             return False
         decoding = self._decoding(batch)
