@@ -24,7 +24,7 @@ import math
 import re
 from enum import IntEnum
 from functools import cache
-from typing import Any, Callable, TypeGuard, cast, get_args, get_origin, get_type_hints
+from typing import Any, Callable, TypeGuard, TypeVar, cast, get_args, get_origin, get_type_hints
 
 import msgpack
 
@@ -100,9 +100,9 @@ def unpack_tensor(d: object, max_elements: int = DEFAULT_MAX_FRAME) -> WireTenso
 # -- encode ----------------------------------------------------------------------
 
 
-def encode(msg: Message) -> bytes:
-    """One frame for one message."""
-    if type(msg) not in MESSAGE_TYPES:
+def encode(msg: Any, types: tuple[type, ...] = MESSAGE_TYPES) -> bytes:
+    """One frame for one message (of ``types``: the link's messages unless told)."""
+    if type(msg) not in types:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     frame = {"t": msg.tag}
     _put_fields(msg, frame)
@@ -144,17 +144,26 @@ def _value_writer(hint: Any) -> Writer | None:
 
 # -- decode ----------------------------------------------------------------------
 
-_BY_TAG: dict[str, type[Message]] = {cls.tag: cls for cls in MESSAGE_TYPES}
+@cache
+def _by_tag(types: tuple[type, ...]) -> dict[str, type]:
+    return {cls.tag: cls for cls in types}  # type: ignore[attr-defined]
 
 
 def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
     """The message in one frame, or ``ProtocolError`` saying what is wrong with it."""
+    return decode_of(data, MESSAGE_TYPES, max_size)
+
+
+def decode_of(data: bytes, types: tuple[type, ...], max_size: int = DEFAULT_MAX_FRAME) -> Any:
+    """The message in one frame, one of ``types`` (another family of tagged messages, such
+    as ``protocol.generate``'s), or ``ProtocolError``."""
     frame = _unpack(data, max_size)
     tag = frame.get("t")
     f = _Fields(frame, max_size, str(tag))
+    by_tag = _by_tag(types)
     match tag:
-        case str() if tag in _BY_TAG:
-            return _read(_BY_TAG[tag], f)
+        case str() if tag in by_tag:
+            return _read(by_tag[tag], f)
         case None:
             raise ProtocolError("frame has no 't' tag")
         case str():
@@ -172,6 +181,7 @@ def _read(cls: type, f: _Fields) -> Any:
 
 
 Reader = Callable[["_Fields"], Any]
+E = TypeVar("E", bound=IntEnum)
 
 
 @cache
@@ -230,7 +240,7 @@ def _value_reader(hint: Any, meta: Any = None) -> Reader:
     if hint in simple:
         return simple[hint]
     if isinstance(hint, type) and issubclass(hint, IntEnum):
-        return lambda v: hint(v.as_int())
+        return lambda v: v.as_enum(hint)
     if get_origin(hint) is tuple:
         item, more = get_args(hint)
         assert more is Ellipsis, f"only tuple[X, ...] travels, not {hint}"
@@ -360,6 +370,13 @@ class _Fields:
         if hi is not None and not 0.0 <= v <= hi:
             raise ProtocolError(f"{self.where}: {v} is outside 0..{hi:g}")
         return float(v)
+
+    def as_enum(self, kind: type[E]) -> E:
+        n = self.as_int()
+        try:
+            return kind(n)
+        except ValueError:
+            raise ProtocolError(f"{self.where}: {n} is no {kind.__name__} member") from None
 
     def as_str(self) -> str:
         if not isinstance(self.frame, str):
