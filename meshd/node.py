@@ -569,15 +569,17 @@ class Node:
     async def supernode_post(self, path: str, body: object, authorization: str = "",
                              timeout: aiohttp.ClientTimeout | None = None, client: str = "", request_id: str = "",
                              traceparent: str = ""):
-        """POST ``body`` (JSON) to the supernode's API: over the sealed link (the API
-        tunnel), or on loopback when this peer is the supernode. Yields a response
-        with ``status``, ``read()`` and ``content``; fails as aiohttp does."""
+        """POST ``body`` (JSON, or bytes as they are: a ``Generate`` frame) to the supernode's
+        API: over the sealed link (the API tunnel), or on loopback when this peer is the
+        supernode. Yields a response with ``status``, ``read()`` and the body's pieces
+        (``content`` or ``chunks()``); fails as aiohttp does."""
         if not tunnel.plain_header(authorization):
             raise BadRequest("malformed Authorization header (printable ASCII only)", 401)
         await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
-        data = json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         if self.view.is_supernode:
-            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id, traceparent)
+            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id, traceparent,
+                                              content_type=tunnel.content_type(path))
             async with self._http_client().post(self.own_url() + path, data=data, headers=headers, ssl=False,
                                                 timeout=timeout) as up:
                 yield up

@@ -24,7 +24,8 @@ ModelName = NewType("ModelName", str)
 Digest = NewType("Digest", str)  # a sha256, 64 lowercase hex digits
 
 # 2: the Noise handshake (Hello inside it, no Auth), frames sealed, the API tunnel.
-PROTOCOL_VERSION = 2
+# 3: completions through the tunnel as ``protocol.generate`` frames, not OpenAI's HTTP.
+PROTOCOL_VERSION = 3
 
 # Terms grow by one per re-plan, so no honest term comes near this; the bound keeps
 # ``term + 1`` (and a term a Reject names) encodable as msgpack's uint64 everywhere.

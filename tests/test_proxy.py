@@ -19,6 +19,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
+from meshd.control.tunnel import GENERATE, TUNNEL_HEADER
+from protocol import generate as gen
+from protocol.codec import decode_of, encode
 from shards.layers import KVCache
 from tests.fixtures.api import PROMPT, greedy, post
 from tests.fixtures.daemon import linked_pair, running_node
@@ -395,3 +398,82 @@ async def test_sampling_fields_and_a_grammar_survive_a_resubmit(tiny_model_dir, 
             await sup.task
         assert [e for e in logs if e.get("event") == "proxy_resubmit"], "no resubmit happened"
         assert token_ids(events) == want
+
+
+async def _generate(http: aiohttp.ClientSession, url: str, data: bytes, headers: dict) -> tuple[int, list]:
+    """POST /mesh/generate as the tunnel does (or as a client trying it): the status and the frames."""
+    async with http.post(url + GENERATE, data=data, headers=headers) as resp:
+        body = await resp.read()
+    if resp.status != 200:
+        return resp.status, []
+    async def pieces():
+        yield body
+    return 200, [decode_of(f, gen.OUTPUT_TYPES) async for f in gen.read_frames(pieces())]
+
+
+async def test_the_generate_path_answers_only_the_tunnel_and_checks_what_a_peer_sends(tiny_model_dir, tmp_path):
+    """/mesh/generate, where an entry peer's completions arrive: a client (no tunnel mark,
+    or a wrong one) finds nothing there; what a peer sends is checked as a client's request
+    is (a frame that is not a Generate, a history of ids the model does not have, a body that
+    is not JSON) and refused with a Failure naming it, the daemon serving on; a good one is
+    answered in frames whose tokens are the direct answer's."""
+    async with running_node(tiny_model_dir, tmp_path / "n") as node:
+        mark = {TUNNEL_HEADER: node.node.local_token}
+        body = json.dumps(greedy(max_tokens=6)).encode()
+        good = encode(gen.Generate(0, body), gen.REQUEST_TYPES)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            for headers in ({}, {TUNNEL_HEADER: "not-the-token"}):
+                assert (await _generate(http, node.url, good, headers))[0] == 404
+            vocab = node.node.scheduler.tokenizer.vocab_size
+            bad = {
+                "malformed request frame": encode(gen.End(), gen.OUTPUT_TYPES),
+                "token ids of this model": encode(gen.Generate(0, body, (gen.History((vocab,)),), resumed=1),
+                                                  gen.REQUEST_TYPES),
+                "malformed JSON": encode(gen.Generate(0, b"{not json"), gen.REQUEST_TYPES),
+                "must be true or false": encode(gen.Generate(0, json.dumps(greedy(stream="yes")).encode()),
+                                                gen.REQUEST_TYPES),
+            }
+            for why, data in bad.items():
+                status, frames = await _generate(http, node.url, data, mark)
+                assert status == 200 and len(frames) == 1 and isinstance(frames[0], gen.Failure), (why, frames)
+                assert frames[0].act is gen.Act.FAIL and frames[0].status == 400 and why in frames[0].message, frames
+            status, frames = await _generate(http, node.url, good, mark)
+            _, direct = await post(http, node.url, greedy(max_tokens=6))
+        assert status == 200 and isinstance(frames[0], gen.Begin) and isinstance(frames[-1], gen.End), frames
+        ids = [t for f in frames if isinstance(f, gen.Delta) for t in f.token_ids]
+        assert ids == direct["choices"][0]["token_ids"] and len(ids) == 6
+        assert [f.finish for f in frames if isinstance(f, gen.Delta)][-1] is gen.Finish.LENGTH
+        assert [f for f in frames if isinstance(f, gen.Usage)] == [gen.Usage(direct["usage"]["prompt_tokens"], 6)]
+
+
+async def test_a_resubmitted_stream_goes_on_with_the_clients_offsets(tiny_model_dir, tmp_path):
+    """Cut mid-answer and resubmitted, a stream with logprobs is what the client would get
+    uncut: the same tokens and logprobs, and ``text_offset`` counting on from where it was
+    (it began again at 0 when each supernode wrote the client's chunks)."""
+    body = greedy(max_tokens=TOKENS, logprobs=1)
+    async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, heartbeat_s=0.3) as (sup, entry):
+        cut: list[int] = []
+
+        async def cut_once(events: list) -> None:
+            if len(token_ids(events)) >= 5 and not cut and (running := list(sup.node.tunnel._running.values())):
+                running[0].cancel()
+                cut.append(len(token_ids(events)))
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as http:
+            calm = await stream(http, entry.url, body)
+            with capture_logs() as logs:
+                events = await stream(http, entry.url, body, on_event=cut_once)
+    assert cut and [e for e in logs if e.get("event") == "proxy_resubmit"], "the stream was not cut and resubmitted"
+
+    def logprobs(evs: list) -> dict[str, list]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        for e in evs:
+            for c in e.get("choices", []) if isinstance(e, dict) else ():
+                for key in out:
+                    out[key] += (c["logprobs"] or {}).get(key, [])
+        return out
+
+    got, want = logprobs(events), logprobs(calm)
+    assert token_ids(events) == token_ids(calm) and got == want
+    starts = [sum(len(t) for t in got["tokens"][:i]) for i in range(len(got["tokens"]))]
+    assert got["text_offset"] == starts and len(starts) == TOKENS

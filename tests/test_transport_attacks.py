@@ -224,7 +224,7 @@ def capture_generation(relay: Relay, entry) -> tuple[bytes, str, list[int], dict
 
 
 # What must not be readable: the prompt, and the msgpack of frames (dtype names, tags, keys).
-IN_CLEAR = (b"float32", b"fwdb", b"resb", b"hidden", b"apireq", b"/v1/completions", b"prompt", b"token_ids")
+IN_CLEAR = (b"float32", b"fwdb", b"resb", b"hidden", b"apireq", b"/mesh/generate", b"gdelta", b"prompt", b"token_ids")
 
 
 def test_the_capture_reads_a_plaintext_link(netlab_session, tiny_model_dir, tmp_path):

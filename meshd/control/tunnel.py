@@ -34,8 +34,11 @@ TUNNEL_HEADER = "X-Meshd-Tunnel"  # this process's local token: the request came
 CLIENT_HEADER = "X-Meshd-Client"  # the client a member forwards for (trusted only with TUNNEL_HEADER)
 ENTRY_HEADER = "X-Meshd-Entry"  # the member that handed it over (set here, trusted only with TUNNEL_HEADER)
 MAX_CLIENT = 128
+# A completion a member hands over: a ``protocol.generate.Generate`` in, its frames back.
+# No client reaches it: the supernode's API answers it only for the tunnel (or itself).
+GENERATE = "/mesh/generate"
 # What a member may ask of the supernode's API through the tunnel.
-TUNNELED = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/mesh/drain"})
+TUNNELED = frozenset({GENERATE, "/tokenize", "/detokenize", "/v1/mesh/drain"})
 # A member leaving (at its own shutdown) asks the supernode to move its span away: the
 # only control act a member may ask without a control key, and only for itself. No HTTP
 # route leads here: a member's client can reach only /v1/mesh/drain, which the supernode
@@ -56,14 +59,23 @@ def plain_header(value: str) -> bool:
     return _HEADER_VALUE.fullmatch(value) is not None
 
 
+FRAMES_TYPE = "application/vnd.meshd.frames"  # a body of length-prefixed protocol.generate frames
+
+
+def content_type(path: str) -> str:
+    """What a tunneled POST's body is: a ``Generate`` frame, or JSON."""
+    return FRAMES_TYPE if path == GENERATE else "application/json"
+
+
 def loopback_headers(local_token: str, authorization: str = "", client: str = "",
-                     request_id: str = "", traceparent: str = "", entry: str = "") -> dict[str, str]:
+                     request_id: str = "", traceparent: str = "", entry: str = "",
+                     content_type: str = "application/json") -> dict[str, str]:
     """The headers of a call to this process's own API on behalf of an entry peer's client
     (one that came over a link, or the proxy's own when this peer is the supernode): the
     client's key as given, so the API keys apply, and the tunnel's mark (this process's
     own token), with which the API believes the client named (KV fairness), and the
     request's trace context and entry peer (its timeline)."""
-    headers = {"Content-Type": "application/json", TUNNEL_HEADER: local_token}
+    headers = {"Content-Type": content_type, TUNNEL_HEADER: local_token}
     if authorization:
         headers["Authorization"] = authorization
     if client and len(client) <= MAX_CLIENT and plain_header(client):
@@ -195,7 +207,7 @@ class TunnelServer:
 
     async def _loopback(self, link: Link, msg: ApiRequest) -> None:
         headers = loopback_headers(self._local_token, msg.authorization, msg.client, msg.request_id,
-                                   msg.traceparent, link.peer_id)
+                                   msg.traceparent, link.peer_id, content_type(msg.path))
         status = 502
         try:
             async with self._http().request(msg.method, self._own_url() + msg.path,

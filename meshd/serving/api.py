@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
-import hashlib
 import hmac
 import re
 import secrets
@@ -17,43 +17,38 @@ import secrets
 import structlog
 from aiohttp import web
 
-from meshd import __version__
-from meshd.control.tunnel import TUNNEL_HEADER
-from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull, SupernodeChanged
-from meshd.control.tunnel import ENTRY_HEADER
-from meshd.serving import dashboard
+from meshd.control.tunnel import ENTRY_HEADER, FRAMES_TYPE, GENERATE, TUNNEL_HEADER
+from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, ProtocolError, StorageFull, SupernodeChanged
+from meshd.serving import dashboard, generation
 from meshd.serving.daemon import NODE, REQUEST_ID, TRACE, Daemon
 from meshd.serving.guards import CLIENT_KEY, bearer_key, check_prompt_size, client_id, control_guard, parse_json
 from meshd.serving.metrics import CLIENT_CLOSED, CLIENT_GONE
 from meshd.serving.observe import Observe
+from meshd.serving.edge import Edge
 from meshd.serving.openai import (
     DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
-    Assembler,
-    ChoiceWriter,
     CompletionRequest,
     MeshCode,
-    chunk_json,
     completion_id,
     error_json,
     find_surrogate,
     parse_request,
-    response_json,
     tokenize_chat,
     sse,
 )
 from meshd.serving.proxy import Handoff, proxy_completion
-from meshd.serving.scheduler import Usage
 from meshd.serving.traces import TraceContext
+from protocol import generate as gen
+from protocol.codec import decode_of, encode
 from protocol.messages import NO_CHAT
 from shards import grammar
+from shards.tokenizer import MeshTokenizer
 
 log = structlog.get_logger()
 
 LOCAL_HEADER = "X-Meshd-Local"  # Daemon.local_auth: this process calling its own API
-
-KEEPALIVE_S = 1.0
 
 
 def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> web.Response:
@@ -178,7 +173,7 @@ async def auth_middleware(request: web.Request, handler):
     """Bearer keys for /v1 (control keys for /v1/mesh) when configured;
     /healthz, /status, /metrics and the dashboard stay open and read-only."""
     node = request.app[NODE]
-    if request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS:
+    if request.path.startswith("/v1/") or request.path in TOKENIZER_PATHS or request.path == GENERATE:
         keys = node.api_keys
         if request.path.startswith("/v1/mesh/"):
             keys = node.control_keys or node.api_keys
@@ -198,6 +193,9 @@ async def read_json(request: web.Request):
     except TimeoutError:
         raise BadRequest("request body not received in time", 408) from None
     return parse_json(raw)
+
+
+COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -245,30 +243,48 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
     if node.stopping:
         raise SupernodeChanged("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
-    client = request[CLIENT_KEY] = client_id(request, _mesh_peer(request), _bearer(request))
+    client = request[CLIENT_KEY] = client_id(request, False, _bearer(request))
     if not node.view.is_supernode:
-        if _mesh_peer(request):  # a peer took this one for the supernode: not a chain of proxies
-            raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})")
         trace.proxied, trace.supernode = True, node.view.supernode  # its timeline is the supernode's
         return await proxy_completion(node, request, body, chat)
+    req, tokenizer = await _prepared(node, body, chat)
+    if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
+        raise NoCapacity(node.unavailable_reason())
+    cid = completion_id(req.chat)
+    async with _opened(node, req, client, cid, trace) as sessions:
+        # Counted from here to the last byte, so that a stop waits for it also between its
+        # sessions ending here (the lead handed on) and its relay to the next supernode.
+        with node.relaying():
+            return await _answer(request, node, req, sessions, tokenizer, body, cid)
+
+
+async def _prepared(node: Daemon, body, chat: bool,
+                    resume: gen.Generate | None = None) -> tuple[CompletionRequest, MeshTokenizer]:
+    """The request read with the supernode's tokenizer (``resume``: a resubmission's typed
+    history, which stands in for the body's meshd_resume)."""
     engine_ready = await node.serving_parts_soon()
     if engine_ready is None:
         raise NoCapacity(node.unavailable_reason())
     tokenizer, context = engine_ready
     check_prompt_size(body, context, tokenizer.max_token_chars)
+    history = None
+    if resume is not None and resume.resumed:
+        history = (tuple(h.token_ids for h in resume.resume), tuple(resume.finished))
     # Tokenizing (and rendering a chat template) takes a while on a long prompt: on a
     # thread of its own, so heartbeats and other requests go on meanwhile.
     req = await asyncio.get_running_loop().run_in_executor(_tokenize_pool(), functools.partial(
         parse_request, body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
-        max_tokens_limit=node.config.max_tokens_limit,
+        max_tokens_limit=node.config.max_tokens_limit, history=history,
     ))
     if req.params.grammar is not None or req.params.logprobs is not None:
         await asyncio.to_thread(grammar.grammar_tokenizer, tokenizer)  # built once (~1 s), off the loop
-    if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
-        raise NoCapacity(node.unavailable_reason())
-    # Every choice is admitted before any answer goes out: a full KV budget is a 503, not a
-    # 200 whose stream then says so.
-    cid = completion_id(req.chat)
+    return req, tokenizer
+
+
+@contextlib.asynccontextmanager
+async def _opened(node: Daemon, req: CompletionRequest, client: str, cid: str, trace):
+    """Every choice admitted (a session each) before any answer goes out: a full KV budget
+    is a 503, not a 200 whose stream then says so. Closed however the answer ends."""
     sessions = trace.sessions = []
     trace.admit()
     try:
@@ -276,13 +292,7 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
         for i in runs:
             sessions.append(node.scheduler.open(req.prompt_of(i), req.params_for(i), list(req.resume_of(i)),
                                                 req.priority, client, cid, trace=trace if i == runs[0] else None))
-        by_choice = dict(zip(runs, sessions))
-        # Counted from here to the last byte, so that a stop waits for it also between its
-        # sessions ending here (the lead handed on) and its relay to the next supernode.
-        with node.relaying():
-            if req.stream:
-                return await _stream(request, node, req, by_choice, tokenizer, body, cid)
-            return await _whole(request, node, req, by_choice, tokenizer, body, cid)
+        yield dict(zip(runs, sessions))
     finally:
         for s in sessions:
             await node.scheduler.close(s)  # any that never got to stream
@@ -299,127 +309,118 @@ def _tokenize_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="meshd-tokenize")
 
 
-def fingerprint(model: str) -> str:
-    """system_fingerprint: which build and model made an answer (changes when either does)."""
-    return "fp_" + hashlib.sha256(f"meshd {__version__} {model}".encode()).hexdigest()[:12]
+def _hands_on(node: Daemon, failure: BaseException | None) -> bool:
+    """Whether a request this supernode began for its own client goes on at the next one:
+    it yielded (also when it stops: it handed the lead on first, and waits for what it
+    relays; not if it still leads, alone). Every choice goes on from what it was sent."""
+    return isinstance(failure, SupernodeChanged) and not (node.stopping and node.view.is_supernode)
 
 
-def _hands_on(request: web.Request, node: Daemon, req: CompletionRequest, failure: BaseException | None) -> bool:
-    """Whether a request this supernode began goes on at the next one: it yielded (also
-    when it stops: it handed the lead on first, and waits for what it relays; not if it
-    still leads, alone), and a client sent it here (an entry peer that forwarded it
-    resubmits it itself). Every choice goes on from what it was sent."""
-    return (isinstance(failure, SupernodeChanged) and not (node.stopping and node.view.is_supernode)
-            and not _mesh_peer(request))
+async def _answer(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict, tokenizer,
+                  body: dict, cid: str) -> web.StreamResponse:
+    """This supernode's own client's answer: the generation's frames through the edge, as
+    a stream or one body."""
+    edge = Edge(req.chat, cid)
+    for i in range(req.choices):
+        if resume := req.resume_of(i):
+            edge.seed(i, list(resume))
+    resp: web.StreamResponse | None = None
+    if req.stream:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
 
-
-def _token_text(tokenizer):
-    @functools.lru_cache(maxsize=4096)
-    def text(token: int) -> tuple[str, bytes]:
-        raw = grammar.token_bytes(tokenizer, token)
-        return raw.decode("utf-8", "replace"), raw
-    return text
-
-
-async def _choice_events(node: Daemon, req: CompletionRequest, index: int, session, usage: Usage, tokenizer):
-    """One choice's stream choices (see ChoiceWriter)."""
-    resume = req.resume_of(index)
-    resumed = tokenizer.decode(list(resume)) if resume else ""
-    echo = req.prompt_texts[index // req.n] if req.echo and not req.resumed else ""
-    writer = ChoiceWriter(req, index, _token_text(tokenizer), echo=echo, resumed_text=resumed)
-    async for chunk in node.metrics.observe(node.scheduler.stream(session, usage)):
-        choice = writer.choice(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                               chunk.prompt_logprobs)
-        if choice is not None:
-            yield choice
-
-
-def _prompt_tokens(req: CompletionRequest) -> int:
-    return sum(len(p) for p in req.prompts) * req.n
-
-
-async def _whole(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict, tokenizer,
-                 body: dict, cid: str) -> web.StreamResponse:
-    usage = Usage()
-    acc = Assembler(req.chat)
-
-    async def one(index: int) -> None:
-        async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
-            acc.add({"choices": [choice]})
-
-    try:
-        await asyncio.gather(*(one(i) for i in sessions))
-    except SupernodeChanged as exc:
-        if not _hands_on(request, node, req, exc):
-            raise
-        log.info("session_handed_on", tokens=len(acc.first_ids), choices=len(sessions), reason=str(exc))
-        return await proxy_completion(node, request, body, req.chat, Handoff(cid, None, acc))
-    return web.json_response(response_json(req, cid, acc.choices(), _prompt_tokens(req), usage.completion_tokens,
-                                           fingerprint(req.model)))
-
-
-async def _stream(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict,
-                  tokenizer, body: dict, cid: str) -> web.StreamResponse:
-    fp = fingerprint(req.model)
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
-    queue: asyncio.Queue[dict | None] = asyncio.Queue()
-    sent = Assembler(req.chat)  # what the client has been sent (a yield hands it on)
-    usage = Usage()
-
-    async def one(index: int) -> None:
-        try:
-            async for choice in _choice_events(node, req, index, sessions[index], usage, tokenizer):
-                await queue.put(chunk_json(req, cid, choice, fp))
-        finally:
-            await queue.put(None)
-
-    async def write_events() -> None:
-        finished = 0
-        while finished < len(sessions):
-            try:
-                async with asyncio.timeout(KEEPALIVE_S):  # no task per event, as wait_for makes
-                    item = await queue.get()
-            except TimeoutError:
-                # An SSE comment while a long prefill runs: tells the entry peer
-                # (and any proxy) that this supernode is alive.
+    async def emit(frame: gen.Output) -> None:
+        match frame:
+            case gen.Begin():
+                edge.begin(frame)
+            case gen.Delta():
+                chunk = edge.delta(frame)
+                if resp is not None and chunk is not None:
+                    await resp.write(sse(chunk))
+            case gen.Keepalive() if resp is not None:
+                # An SSE comment while a long prefill runs: tells the client (and any proxy) we are alive.
                 await resp.write(SSE_KEEPALIVE)
-                continue
-            if item is None:
-                finished += 1
-            else:
-                await resp.write(sse(item))
-                sent.add(item)
-        if req.include_usage:
-            final = response_json(req, cid, [], _prompt_tokens(req), usage.completion_tokens, fp)
-            final["object"] = "chat.completion.chunk" if req.chat else "text_completion"
-            await resp.write(sse(final))
+            case gen.Usage():
+                final = edge.usage_chunk(frame)
+                if resp is not None and req.include_usage:
+                    await resp.write(sse(final))
 
-    # A client that goes away makes write_events raise, the group cancels the
-    # generations, and their sessions are freed on every stage.
-    gone, failure = False, None
+    # A client that goes away makes a write raise, the generations are cancelled, and
+    # their sessions are freed on every stage.
+    failure: BaseException | None = None
     try:
-        async with asyncio.TaskGroup() as tg:
-            for i in sessions:
-                tg.create_task(one(i))
-            tg.create_task(write_events())
-    except* ConnectionResetError:
-        gone = True
-    except* KNOWN_ERRORS as group:
-        failure = group.exceptions[0]
-    if gone:  # an ordinary event, not a server error: nobody is left to tell
+        await generation.run(node.scheduler, node.metrics.observe, req, sessions, tokenizer, emit)
+    except ConnectionResetError:  # an ordinary event, not a server error: nobody is left to tell
         request[CLIENT_GONE] = True
         log.info("client_gone", path=request.path)
-        return resp
-    if _hands_on(request, node, req, failure):
-        log.info("session_handed_on", tokens=len(sent.first_ids), choices=len(sessions), reason=str(failure))
-        return await proxy_completion(node, request, body, req.chat, Handoff(cid, resp, sent))
+        return resp if resp is not None else web.Response(status=CLIENT_CLOSED)
+    except KNOWN_ERRORS as exc:
+        failure = exc
+    if _hands_on(node, failure):
+        log.info("session_handed_on", tokens=len(edge.first_ids), choices=len(sessions), reason=str(failure))
+        return await proxy_completion(node, request, body, req.chat, Handoff(edge, resp))
+    if resp is None:
+        if failure is not None:
+            raise failure
+        return web.json_response(edge.whole())
     if failure is not None:
         log.warning("stream_failed", error=str(failure))
-        status = 503 if isinstance(failure, NoCapacity) else 400 if isinstance(failure, InvalidParams) else 500
-        await resp.write(sse(error_json(f"generation failed: {failure}", status, code=_code(failure))))
+        f = generation.failure_of(failure, during=True)
+        await resp.write(sse(error_json(f.message, f.status, f.param or None, f.code or None)))
     await resp.write(sse(DONE))
     await resp.write_eof()
+    return resp
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /mesh/generate, for the tunnel only: a completion an entry peer hands over, as a
+    ``Generate``; its answer is a stream of frames, a ``Failure`` among them if it fails."""
+    node = request.app[NODE]
+    if not _mesh_peer(request):
+        raise web.HTTPNotFound()
+    raw = await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": FRAMES_TYPE})
+    await resp.prepare(request)
+    begun = False
+
+    async def emit(frame: gen.Output) -> None:
+        nonlocal begun
+        begun = begun or isinstance(frame, gen.Begin)
+        await resp.write(gen.frame(encode(frame, gen.OUTPUT_TYPES)))
+
+    try:
+        msg: gen.Generate = decode_of(raw, gen.REQUEST_TYPES, node.config.max_body_bytes)
+    except ProtocolError as exc:
+        await emit(gen.Failure(gen.Act.FAIL, 400, f"malformed request frame: {exc}"))
+        return resp
+    chat = bool(msg.chat)
+    trace = node.traces.begin(request[REQUEST_ID], request[TRACE], CHAT_PATH if chat else COMPLETIONS_PATH,
+                              request.headers.get(ENTRY_HEADER))
+    status = 200
+    try:
+        if node.stopping or not node.view.is_supernode:  # a peer took this one for the supernode
+            raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})"
+                                   if not node.view.is_supernode else "this peer is shutting down")
+        client = request[CLIENT_KEY] = client_id(request, True, _bearer(request))
+        req, tokenizer = await _prepared(node, parse_json(msg.body), chat, msg)
+        async with _opened(node, req, client, completion_id(chat), trace) as sessions:
+            with node.relaying():
+                await generation.run(node.scheduler, node.metrics.observe, req, sessions, tokenizer, emit)
+    except ConnectionResetError:
+        status = CLIENT_CLOSED  # the entry peer went away: nobody to answer
+    except KNOWN_ERRORS as exc:
+        if begun:
+            log.warning("stream_failed", error=str(exc))
+        failure = generation.failure_of(exc, during=begun)
+        status = failure.status
+        with contextlib.suppress(ConnectionResetError):
+            await emit(failure)
+    except BaseException as exc:
+        node.traces.finish(trace, _status_of(exc))
+        raise
+    node.traces.finish(trace, status)
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
     return resp
 
 
@@ -540,8 +541,9 @@ def make_app(node: Daemon) -> web.Application:
     dashboard.add_routes(app)
     Observe(_mesh_peer).add_routes(app)  # /live, /traces, /metrics/targets
     app.router.add_post("/v1/mesh/drain", drain)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, completions)
+    app.router.add_post(CHAT_PATH, chat_completions)
+    app.router.add_post(GENERATE, generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)

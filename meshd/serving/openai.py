@@ -1,6 +1,8 @@
-"""The OpenAI-compatible request and response shapes: validation of what a
-client sends, the JSON objects we send back, and their server-sent-event framing
-(one helper each: ``error_json``, ``sse``/``sse_events``)."""
+"""The OpenAI-compatible request and response shapes: validation of what a client
+sends (``parse_request``, on the supernode, with its tokenizer), the JSON objects we
+send back and their server-sent-event framing (``error_json``, ``sse``). Only the HTTP
+edge uses the response shapes (``meshd.serving.edge``): inside the mesh a completion's
+answer is typed frames (``protocol.generate``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import dataclasses
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -386,8 +387,12 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def parse_request(
-    body: Any, *, chat: bool, model: str, tokenizer: MeshTokenizer, context: int, max_tokens_limit: int
+    body: Any, *, chat: bool, model: str, tokenizer: MeshTokenizer, context: int, max_tokens_limit: int,
+    history: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None = None,
 ) -> CompletionRequest:
+    """The client's request, validated and tokenized. ``history``: an entry peer's
+    resubmission (each choice's tokens so far, the choices already whole), which stands in
+    for the body's own ``meshd_resume`` / ``meshd_finished``."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     bad = find_surrogate(body)
@@ -450,7 +455,10 @@ def parse_request(
             param=key, code="context_length_exceeded")
     if grammar_text is not None:
         _check_fits(body, tools, max_tokens, tokenizer.max_token_chars, key)
-    resumes, finished = _resumes(body, len(prompts) * n, tokenizer.vocab_size)
+    if history is None:
+        resumes, finished = _resumes(body, len(prompts) * n, tokenizer.vocab_size)
+    else:
+        resumes, finished = _history(*history, len(prompts) * n, tokenizer.vocab_size)
     resume = any(resumes) or finished
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -513,6 +521,20 @@ def _resumes(body: dict, choices: int, vocab_size: int) -> tuple[tuple[tuple[int
     return resumes, frozenset(done)
 
 
+def _history(resume: tuple[tuple[int, ...], ...], finished: tuple[int, ...], choices: int,
+             vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
+    """A resubmission's typed history, checked against this request as ``_resumes`` checks
+    a client's: at most one history per choice, token ids of this model, and the choices
+    already whole distinct, leaving one to run."""
+    if len(resume) > choices or not all(0 <= t < vocab_size for ids in resume for t in ids):
+        raise BadRequest(f"a resubmission's history must be token ids of this model, at most one list for each "
+                         f"of the {choices} choices", param="meshd_resume")
+    if len(set(finished)) != len(finished) or len(finished) >= choices or not all(i < choices for i in finished):
+        raise BadRequest(f"a resubmission's finished choices must be distinct indices below {choices}, leaving one "
+                         "to run", param="meshd_finished")
+    return (resume if any(resume) else ()), frozenset(finished)
+
+
 def tokenize_chat(body: dict, tokenizer: MeshTokenizer, context: int) -> list[int]:
     """/tokenize's ``messages``: the prompt ids a chat of them would have (no check against
     the context: /tokenize is how a client finds out how long a prompt is)."""
@@ -556,13 +578,6 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def response_json(req: CompletionRequest, cid: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                  fingerprint: str | None = None) -> dict:
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
-    return completion_json(req.chat, cid, req.model, choices, usage, fingerprint)
-
-
 def completion_json(chat: bool, cid: str, model: str | None, choices: list[dict], usage: dict | None,
                     fingerprint: str | None = None) -> dict:
     return {
@@ -574,12 +589,6 @@ def completion_json(chat: bool, cid: str, model: str | None, choices: list[dict]
         "choices": choices,
         "usage": usage,
     }
-
-
-def chunk_json(req: CompletionRequest, cid: str, choice: dict, fingerprint: str | None = None) -> dict:
-    kind = "chat.completion.chunk" if req.chat else "text_completion"
-    return {"id": cid, "object": kind, "created": int(time.time()), "model": req.model,
-            "system_fingerprint": fingerprint, "choices": [choice]}
 
 
 class MeshCode(StrEnum):
@@ -599,86 +608,6 @@ class MeshCode(StrEnum):
             return cls(value) if isinstance(value, str) else None
         except ValueError:
             return None
-
-
-class ChoiceWriter:
-    """One choice's scheduler chunks as OpenAI stream choices: text (and echo), tool calls
-    parsed out of the text in the model's format, log-probabilities in OpenAI's shapes."""
-
-    def __init__(self, req: CompletionRequest, index: int, token_text, echo: str = "", resumed_text: str = ""):
-        self.req, self.index, self.token_text = req, index, token_text
-        tools = req.tools
-        self.parser = toolcalls.CallParser(tools.fmt) if tools is not None and tools.choice != "none" else None
-        if self.parser is not None and resumed_text:
-            self.parser.push(resumed_text)  # already sent before a resubmission: only the state matters
-        self.first = True
-        self.calls = 0
-        self.echo = echo
-        self.offset = 0  # completions' text_offset
-
-    def choice(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None,
-               prompt_logprobs=()) -> dict | None:
-        calls: list[toolcalls.ToolCall] = []
-        if self.parser is not None:
-            text, calls = self.parser.push(text)
-            if finish is not None:
-                rest, more = self.parser.end()
-                text, calls = text + rest, calls + more
-        if finish == "stop" and (calls or self.calls):
-            finish = "tool_calls"
-        if self.echo:
-            text, self.echo = self.echo + text, ""
-        lp = None
-        if self.req.params.logprobs is not None:
-            lp = self._logprobs(logprobs, self._prompt(prompt_logprobs) if self.first else None)
-        if not (text or calls or token_ids or finish or self.first):
-            return None
-        if self.req.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
-            if text:
-                delta["content"] = text
-            elif self.first:
-                delta["content"] = ""
-            if calls:
-                delta["tool_calls"] = [c.json(self.calls + k) for k, c in enumerate(calls)]
-            out = {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                   "token_ids": list(token_ids)}
-        else:
-            out = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
-                   "token_ids": list(token_ids)}
-        self.first = False
-        self.calls += len(calls)
-        return out
-
-    def _prompt(self, scores) -> list | None:
-        """The echoed prompt's logprobs (completions): its first token has none, as OpenAI's
-        and vLLM's answers show it (null), then one entry per later token."""
-        if self.req.params.prompt_logprobs is None:
-            return None
-        first = self.req.prompts[self.index // self.req.n][0]
-        return [(first, None, None)] + [(e.token, e.logprob, e.top) for e in scores]
-
-    def _logprobs(self, entries, prompt: list | None = None) -> dict:
-        if self.req.chat:
-            content = []
-            for e in entries:
-                tok, raw = self.token_text(e.token)
-                top = []
-                for t, v in e.top:
-                    s, b = self.token_text(t)
-                    top.append({"token": s, "logprob": v, "bytes": list(b)})
-                content.append({"token": tok, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
-            return {"content": content, "refusal": None}
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        rows = list(prompt or ()) + [(e.token, e.logprob, e.top) for e in entries]
-        for token, logprob, top in rows:
-            tok, _ = self.token_text(token)
-            out["tokens"].append(tok)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append(None if top is None else {self.token_text(t)[0]: v for t, v in top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(tok)
-        return out
 
 
 class Assembler:
@@ -775,10 +704,3 @@ def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data)
     return b"data: " + payload.encode() + b"\n\n"
 
-
-async def sse_events(content: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The data payloads of a server-sent event stream (line by line)."""
-    async for raw in content:
-        line = raw.decode("utf-8", "replace").strip()
-        if line.startswith("data:"):
-            yield line[5:].strip()

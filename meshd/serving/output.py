@@ -3,8 +3,9 @@ stop strings found (and held back while they may still be forming), each token's
 logprobs kept beside it, and the finish reason.
 
 The scheduler only schedules: it puts a session's token ids on its queue and ends it.
-This part turns them into ``Chunk``s on the consumer's side; the HTTP edge
-(``openai.ChoiceWriter``, tool calls) turns chunks into OpenAI's JSON or SSE.
+This part turns them into ``Chunk``s on the consumer's side; ``generation.ChoiceDeltas``
+turns chunks into typed ``Delta`` frames (tool calls parsed out), and the HTTP edge of
+the peer the client talks to (``edge.Edge``) turns those into OpenAI's JSON or SSE.
 """
 
 from __future__ import annotations
