@@ -156,8 +156,10 @@ def decode(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> Message:
 
 def decode_of(data: bytes, types: tuple[type, ...], max_size: int = DEFAULT_MAX_FRAME) -> Any:
     """The message in one frame, one of ``types`` (another family of tagged messages, such
-    as ``protocol.generate``'s), or ``ProtocolError``."""
-    frame = _unpack(data, max_size)
+    as ``protocol.generate``'s), or ``ProtocolError``. Another family's strings and lists
+    are bounded by ``max_size`` alone, not by the link messages' MAX_STR and MAX_ARRAY: a
+    completion's history, echoed prompt and its logprobs run to the model's context."""
+    frame = _unpack(data, max_size, sized=types is not MESSAGE_TYPES)
     tag = frame.get("t")
     f = _Fields(frame, max_size, str(tag))
     by_tag = _by_tag(types)
@@ -290,7 +292,7 @@ _CHECKS: dict[type, Callable[[Any, _Fields], None]] = {Segment: _check_segment, 
                                                        Plan: _check_plan}
 
 
-def _unpack(data: bytes, max_size: int) -> dict:
+def _unpack(data: bytes, max_size: int, sized: bool = False) -> dict:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"frame must be binary, got {type(data).__name__}")
     # The size check up front is msgpack's max_buffer_size for a one-shot unpack:
@@ -303,9 +305,9 @@ def _unpack(data: bytes, max_size: int) -> dict:
             raw=False,
             strict_map_key=True,  # keys are strings; no hashing of hostile containers
             use_list=True,
-            max_str_len=MAX_STR,
+            max_str_len=max_size if sized else MAX_STR,
             max_bin_len=max_size,
-            max_array_len=MAX_ARRAY,
+            max_array_len=max_size if sized else MAX_ARRAY,
             max_map_len=MAX_MAP,
             max_ext_len=0,  # no extension types on this wire
         )

@@ -21,6 +21,7 @@ class _Choice:
     ids: list[int] = field(default_factory=list)  # every token it has, the client's own meshd_resume first
     finish: gen.Finish = gen.Finish.NONE
     own: int = 0  # leading tokens the client sent itself (meshd_resume): not answered back
+    given: bool = False  # the client sent it as whole already (meshd_finished): not run
     sent: bool = False  # its first chunk went out (the role, the prompt's logprobs)
     offset: int = 0  # completions' text_offset so far
 
@@ -41,9 +42,10 @@ class Edge:
 
     # -- what the client has ---------------------------------------------------------
 
-    def seed(self, index: int, ids: list[int]) -> None:
-        """Choice ``index`` begins with these tokens, the client's own (meshd_resume)."""
-        self.choices[index] = _Choice(list(ids), own=len(ids))
+    def seed(self, index: int, ids: list[int], whole: bool = False) -> None:
+        """Choice ``index`` begins with these tokens, the client's own (meshd_resume);
+        ``whole``: the client has all of it (meshd_finished)."""
+        self.choices[index] = _Choice(list(ids), own=len(ids), given=whole)
 
     def tokens(self) -> int:
         """Tokens every choice has (the client's own meshd_resume included)."""
@@ -59,7 +61,7 @@ class Edge:
 
     @property
     def finished(self) -> bool:
-        return bool(self.choices) and all(c.finish is not gen.Finish.NONE for c in self.choices.values())
+        return bool(self.choices) and all(c.given or c.finish is not gen.Finish.NONE for c in self.choices.values())
 
     def request(self, chat: bool, body: bytes) -> gen.Generate:
         """The request that goes on where this answer stopped: each choice's history, and
@@ -68,8 +70,10 @@ class Edge:
             return gen.Generate(int(chat), body)
         last = max(self.choices)
         resume = tuple(gen.History(tuple(self.choices[i].ids) if i in self.choices else ()) for i in range(last + 1))
-        done = tuple(sorted(i for i, c in self.choices.items() if c.finish is not gen.Finish.NONE))
-        self.skipped_tokens = sum(len(self.choices[i].ids) for i in done)
+        done = tuple(sorted(i for i, c in self.choices.items() if c.given or c.finish is not gen.Finish.NONE))
+        # counted as the supernode counts a choice it runs (its tokens so far too); one the
+        # client sent as whole is not counted, as a supernode it went to straight would not
+        self.skipped_tokens = sum(len(self.choices[i].ids) for i in done if not self.choices[i].given)
         return gen.Generate(int(chat), body, resume, done, resumed=1)
 
     # -- frames in, OpenAI out -------------------------------------------------------
@@ -86,10 +90,10 @@ class Edge:
         if d.finish is not gen.Finish.NONE:
             c.finish = d.finish
         first = not c.sent
-        if not (d.text or d.tool_calls or d.token_ids or d.finish or first):
+        if not (d.text or d.tool_calls or d.token_ids or d.finish or d.prompt_logprobs or first):
             return None
         c.sent = True
-        lp = self._logprobs(c, d.logprobs, d.prompt_logprobs if first else ()) if self.logprobs else None
+        lp = self._logprobs(c, d.logprobs, d.prompt_logprobs) if self.logprobs else None
         finish = d.finish.reason
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}

@@ -11,10 +11,13 @@ tokenizer and the model's tool-call format are; how that looks to a client is th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import math
 from collections.abc import Awaitable, Callable
+
+import structlog
 
 from meshd import __version__
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, StorageFull, SupernodeChanged
@@ -26,9 +29,14 @@ from shards import grammar
 from shards.sampling import TokenLogprobs
 
 KEEPALIVE_S = 1.0
+# An echoed prompt's logprobs go this many to a frame (a 32k-token prompt's with 20 top
+# tokens each would be some 20 MB in one).
+PROMPT_LOGPROBS_PER_DELTA = 1024
 # A logprob the wire cannot carry (a token the grammar or top-k masked: -inf) travels as
 # OpenAI writes such a one.
 MASKED_LOGPROB = -9999.0
+
+log = structlog.get_logger()
 
 Emit = Callable[[gen.Output], Awaitable[None]]
 
@@ -61,14 +69,30 @@ class ChoiceDeltas:
         self.req, self.index, self.token_text = req, index, token_text
         tools = req.tools
         self.parser = toolcalls.CallParser(tools.fmt) if tools is not None and tools.choice != "none" else None
-        if self.parser is not None and resumed_text:
-            self.parser.push(resumed_text)  # already sent before a resubmission: only the state matters
         self.first = True
-        self.calls = 0
+        self.calls = 0  # tool calls of this choice so far: the next one's index
+        if self.parser is not None and resumed_text:
+            # Sent before a resubmission: the parser's state, and the calls already made
+            # (the next one goes on from their count; a choice that made one ends as tool_calls).
+            self.calls = len(self.parser.push(resumed_text)[1])
         self.echo = echo
 
-    def delta(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None,
-              prompt_logprobs=()) -> gen.Delta | None:
+    def deltas(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None,
+               prompt_logprobs=()) -> list[gen.Delta]:
+        """The frames for one chunk: one, or, where an echoed prompt's logprobs are many,
+        frames of its logprobs alone before it."""
+        d = self._delta(text, token_ids, logprobs, finish, prompt_logprobs)
+        if d is None:
+            return []
+        if len(d.prompt_logprobs) <= PROMPT_LOGPROBS_PER_DELTA:
+            return [d]
+        n, per = len(d.prompt_logprobs), PROMPT_LOGPROBS_PER_DELTA
+        parts = [d.prompt_logprobs[i:i + per] for i in range(0, n, per)]
+        return [gen.Delta(self.index, prompt_logprobs=p) for p in parts[:-1]] + \
+            [dataclasses.replace(d, prompt_logprobs=parts[-1])]
+
+    def _delta(self, text: str, token_ids: tuple[int, ...], logprobs, finish: str | None,
+               prompt_logprobs=()) -> gen.Delta | None:
         calls: list[toolcalls.ToolCall] = []
         if self.parser is not None:
             text, calls = self.parser.push(text)
@@ -128,9 +152,8 @@ async def run(scheduler: Scheduler, observe, req: CompletionRequest, sessions: d
             echo = req.prompt_texts[index // req.n] if req.echo and not req.resumed else ""
             deltas = ChoiceDeltas(req, index, text, echo, tokenizer.decode(list(resume)) if resume else "")
             async for chunk in observe(scheduler.stream(sessions[index], usage)):
-                d = deltas.delta(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                                 chunk.prompt_logprobs)
-                if d is not None:
+                for d in deltas.deltas(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                                       chunk.prompt_logprobs):
                     await queue.put(d)
         finally:
             await queue.put(None)
@@ -155,11 +178,25 @@ async def run(scheduler: Scheduler, observe, req: CompletionRequest, sessions: d
                 tg.create_task(one(i))
             tg.create_task(pump())
     except BaseExceptionGroup as group:
-        gone = group.subgroup(ConnectionResetError)
-        known = group.subgroup(KNOWN_ERRORS)
-        raise (gone or known or group).exceptions[0] if (gone or known) else group
+        # The client gone before any other (nobody is left to tell), then a known error;
+        # anything else is a bug, raised as it is.
+        leaves = list(_leaves(group))
+        for kind in (ConnectionResetError, KNOWN_ERRORS):
+            if first := next((e for e in leaves if isinstance(e, kind)), None):
+                if len(leaves) > 1:
+                    log.info("generation_errors", raised=repr(first), others=[repr(e) for e in leaves if e is not first])
+                raise first from None
+        raise
     await emit(gen.Usage(prompt_tokens(req), usage.completion_tokens))
     await emit(gen.End())
+
+
+def _leaves(group: BaseExceptionGroup):
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 def failure_of(exc: BaseException, during: bool = False) -> gen.Failure:

@@ -30,7 +30,7 @@ from meshd.errors import NoCapacity, ProtocolError
 from meshd.serving.daemon import REQUEST_ID, TRACE, Upstream
 from meshd.serving.edge import Edge
 from meshd.serving.guards import CLIENT_KEY
-from meshd.serving.openai import DONE, SSE_HEADERS, MeshCode, completion_id, error_json, sse
+from meshd.serving.openai import DONE, MAX_OUTPUTS, SSE_HEADERS, MeshCode, completion_id, error_json, sse
 from protocol import generate as gen
 from protocol.codec import decode_of, encode
 
@@ -137,8 +137,8 @@ async def _proxy_completion(node: Upstream, client: _Client, body: object, chat:
                             handoff: Handoff | None) -> web.StreamResponse:
     edge = handoff.edge if handoff else Edge(chat, completion_id(chat))
     if handoff is None and isinstance(body, dict):
-        _seed(edge, body.get("meshd_resume"))
-    raw = json.dumps(body).encode()  # the client's request: the supernode reads it with its tokenizer
+        _seed(edge, body.get("meshd_resume"), body.get("meshd_finished"))
+    raw = _json(body)  # the client's request: the supernode reads it with its tokenizer
     resubmits = attempts = 0
     had = edge.tokens()
     while True:
@@ -186,15 +186,30 @@ async def _proxy_completion(node: Upstream, client: _Client, body: object, chat:
             return await client.end(error_json(f"the mesh cannot serve now: {exc}", 503))
 
 
-def _seed(edge: Edge, resume: object) -> None:
-    """The client's own meshd_resume (one list of ids, or one per choice): the supernode
-    checks them; here they begin each choice's history."""
-    if not isinstance(resume, list) or not resume:
-        return
-    lists = resume if all(isinstance(v, list) for v in resume) else [resume]
+def _seed(edge: Edge, resume: object, finished: object) -> None:
+    """The client's own meshd_resume (one list of ids, or one per choice) and meshd_finished
+    (the choices it has whole): the supernode checks them; here they begin each choice's
+    history, so that a resubmission carries them on."""
+    lists: list = []
+    if isinstance(resume, list) and resume:
+        lists = resume if all(isinstance(v, list) for v in resume) else [resume]
+    whole = {i for i in finished if isinstance(i, int)} if isinstance(finished, list) else set()
     for i, ids in enumerate(lists):
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            edge.seed(i, ids)
+            edge.seed(i, ids, whole=i in whole)
+    for i in whole - set(edge.choices):
+        if 0 <= i < MAX_OUTPUTS:
+            edge.seed(i, [], whole=True)
+
+
+def _json(body: object) -> bytes:
+    """The client's body as compact JSON, its text as UTF-8 (escaped, it could grow six times
+    past the size the client was held to); escaped where it holds a lone surrogate, which
+    the supernode then refuses as it would the client's own."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _pieces(up: object) -> AsyncIterator[bytes]:
@@ -224,10 +239,12 @@ async def _relay(node: Upstream, msg: gen.Generate, edge: Edge, client: _Client)
             if code is MeshCode.SUPERNODE_CHANGED:
                 raise _Retry(message, told=True)
             return _Refused(up.status, payload)
+        begun = False  # this attempt's answer began (before it, a Failure is a refusal of the request)
         async for data in gen.read_frames(_pieces(up)):
             frame = decode_of(data, gen.OUTPUT_TYPES, gen.MAX_OUTPUT_FRAME)
             match frame:
                 case gen.Begin():
+                    begun = True
                     edge.begin(frame)
                 case gen.Delta():
                     chunk = edge.delta(frame)
@@ -242,9 +259,10 @@ async def _relay(node: Upstream, msg: gen.Generate, edge: Edge, client: _Client)
                 case gen.Failure():
                     if frame.act is gen.Act.MOVED:
                         raise _Retry(frame.message, told=True)
-                    if edge.generated:  # mid-answer: the next attempt resumes from the history
+                    if begun and edge.generated:  # mid-answer: the next attempt resumes from the history
                         raise _Retry(frame.message, moved=False)
-                    # Refused before a token (a full KV budget): the client gets that, not a 200.
+                    # Refused (a bad request, a full KV budget), or failed before a token: the
+                    # client gets that (an error event where its stream began), not a 200.
                     error = error_json(frame.message, frame.status, frame.param or None, frame.code or None)
                     return _Refused(frame.status, json.dumps(error).encode())
     raise _Retry("the supernode ended the answer without its end")
