@@ -9,6 +9,7 @@ The parts, and what each one owns:
 - ``leader`` (``control/leader.py``): who leads, the term, the plan (writes the rest of the view).
 - ``follower`` (``control/follower.py``): this peer's side of a plan, and the forwards it serves.
 - ``store`` (``control/store.py``): the model's files and the engine of this peer's part.
+- ``uplink`` (``control/uplink.py``): the way to the supernode's API, and the waits of a failover.
 - ``pipeline``, ``scheduler`` (``serving/``): the supernode's requests; the HTTP side reads the
   node through the Protocols of ``serving/daemon.py``.
 
@@ -43,6 +44,7 @@ from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
 from meshd.control.store import ModelStore, local_model, model_path
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
+from meshd.control.uplink import Uplink
 from meshd.errors import (
     KNOWN_ERRORS,
     BadRequest,
@@ -181,6 +183,9 @@ class Node:
                              isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
+        # The way to the supernode's API (this peer's own when it leads): the proxy, drains, views.
+        self.uplink = Uplink(config, self.view, self._http_client, self.own_url, self.local_token,
+                             lambda: self.pipeline.plan.term if self.pipeline.plan is not None else None)
         self.tunnel = tunnel.TunnelServer(self._http_client, self.own_url, self._tunneled_leave, self.spawn,
                                           self.local_token, lambda peer, body: self.batches.on_replica(peer, body))
         self.keeper = LinkKeeper(config, self.view, self.identity, self._http_client, self.spawn, self.handle,
@@ -370,7 +375,7 @@ class Node:
             self.view.changes.pulse()
 
     async def _notify_ready(self, on_ready) -> None:
-        await self.view.changes.wait_for(self.serves, None)
+        await self.view.changes.wait_for(self.uplink.serves, None)
         on_ready()
 
     def spawn(self, coro, link: Link | None = None) -> asyncio.Task:
@@ -500,22 +505,6 @@ class Node:
         log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers,
                  kv_budget_tokens=self.scheduler.kv_budget_tokens)
 
-    def serves(self) -> bool:
-        view = self.view
-        if view.is_supernode:
-            return self.pipeline.plan is not None
-        link = view.links.get(view.supernode) if view.supernode else None
-        return view.plan is not None and view.plan.supernode == view.supernode and link is not None and link.alive
-
-    def routable(self) -> bool:
-        """Whether a completion sent here can go to a supernode now: as ``serves``, and a
-        peer back from a restart, in no plan yet, sends it to the supernode it elects."""
-        view = self.view
-        if self.serves() or view.is_supernode or view.plan is not None:
-            return self.serves()
-        link = view.links.get(view.supernode) if view.supernode else None
-        return link is not None and link.alive
-
     async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
         """The supernode's serving parts, waiting (within the failover wait) while it
         negotiates its first plan: a peer just elected serves, not 503s."""
@@ -529,9 +518,6 @@ class Node:
         if tokenizer is None or manifest is None or self.pipeline.plan is None:
             return None
         return tokenizer, manifest.config.max_position
-
-    def unavailable_reason(self) -> str:
-        return str(self.view.unavailable or "")
 
     def status(self) -> dict:
         return build_status(self)
@@ -552,55 +538,13 @@ class Node:
             return
         try:
             async with asyncio.timeout(max(1.0, (deadline - time.monotonic()) / 2)):
-                await self._wait_for(self.routable, 2.0, "no supernode")
-                async with self.supernode_post(tunnel.LEAVE, {}) as resp:  # no key needed for itself
+                if not await self.view.changes.wait_for(self.uplink.routable, 2.0):
+                    raise NoCapacity("no supernode")
+                async with self.uplink.post(tunnel.LEAVE, {}) as resp:  # no key needed for itself
                     await resp.read()
                     log.info("drained_self", status=resp.status)
         except (aiohttp.ClientError, TimeoutError, NoCapacity) as exc:
             log.warning("drain_self_failed", error=str(exc))
-
-    # -- for the entry peer's proxy ---------------------------------------------------
-
-    def current_term(self) -> int:
-        plan = self.pipeline.plan if self.view.is_supernode else self.view.plan
-        return plan.term if plan is not None else 0
-
-    @contextlib.asynccontextmanager
-    async def supernode_post(self, path: str, body: object, authorization: str = "",
-                             timeout: aiohttp.ClientTimeout | None = None, client: str = "", request_id: str = "",
-                             traceparent: str = ""):
-        """POST ``body`` (JSON, or bytes as they are: a ``Generate`` frame) to the supernode's
-        API: over the sealed link (the API tunnel), or on loopback when this peer is the
-        supernode. Yields a response with ``status``, ``read()`` and the body's pieces
-        (``content`` or ``chunks()``); fails as aiohttp does."""
-        if not tunnel.plain_header(authorization):
-            raise BadRequest("malformed Authorization header (printable ASCII only)", 401)
-        await self._wait_for(self.routable, self.config.failover_wait_s, "no supernode serves")
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        if self.view.is_supernode:
-            headers = tunnel.loopback_headers(self.local_token, authorization, client, request_id, traceparent,
-                                              content_type=tunnel.content_type(path))
-            async with self._http_client().post(self.own_url() + path, data=data, headers=headers, ssl=False,
-                                                timeout=timeout) as up:
-                yield up
-            return
-        supernode = self.view.supernode
-        link = self.view.links.get(supernode) if supernode is not None else None
-        if link is None:  # never: routable() just saw the supernode's link, and nothing ran since
-            raise NoCapacity("no link to the supernode")
-        async with tunnel.call(link, "POST", path, data, authorization,
-                               sock_read=timeout.sock_read if timeout is not None else None, client=client,
-                               request_id=request_id, traceparent=traceparent) as up:
-            yield up
-
-    @contextlib.asynccontextmanager
-    async def supernode_get(self, path: str, timeout_s: float):
-        """GET one of the supernode's read-only paths (``tunnel.READABLE``) over the sealed link."""
-        link = self.view.links.get(self.view.supernode) if self.view.supernode else None
-        if link is None or not link.alive:
-            raise NoCapacity("no link to the supernode")
-        async with tunnel.call(link, "GET", path, b"", sock_read=timeout_s) as up:
-            yield up
 
     async def _tunneled_leave(self, peer: str) -> tuple[int, bytes]:
         """A member leaving asks over its link that its own span be moved away: (status, JSON body)."""
@@ -622,35 +566,6 @@ class Node:
     def own_url(self) -> str:
         host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         return f"{self.config.scheme}://{url_host(host)}:{self.config.port}"
-
-    async def _wait_for(self, ready, timeout: float, what: str) -> None:
-        if not await self.view.changes.wait_for(ready, timeout):
-            raise NoCapacity(f"{what}: {self.unavailable_reason()}")
-
-    def upstream_mark(self) -> tuple:
-        view = self.view
-        supernode = view.supernode
-        link = view.links.get(supernode) if supernode is not None and not view.is_supernode else None
-        return supernode, self.current_term(), link
-
-    async def wait_upstream_change(self, mark: tuple, same_again: bool = True) -> None:
-        """After an attempt failed (the supernode lost, yielded or stopping): wait until a
-        supernode serves under another term, or another supernode, or over a new link. A
-        supernode still there after the heartbeat bound, on the same link, was not lost
-        (a cut stream, a pause it came back from): the next attempt goes to it again, not
-        after the whole failover wait (unless it said it is not the supernode: not ``same_again``)."""
-        def changed() -> bool:
-            now = self.upstream_mark()
-            return self.routable() and (now[:2] != mark[:2] or now[2] is not mark[2])
-
-        wait_s = self.config.failover_wait_s
-        if not same_again:
-            return await self._wait_for(changed, wait_s, "no new supernode took over")
-        detect_s = self.config.heartbeat_s * self.config.missed_beats
-        if await self.view.changes.wait_for(changed, detect_s):
-            return
-        log.info("upstream_unchanged", supernode=mark[0], term=mark[1], waited_s=detect_s)
-        await self._wait_for(self.routable, max(0.0, wait_s - detect_s), "no new supernode took over")
 
 
 async def _guarded(coro, link: Link | None) -> None:

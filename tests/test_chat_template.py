@@ -280,7 +280,7 @@ async def test_without_a_template_chat_is_refused_until_a_peer_with_one_leads(ge
         async with running_node(gemma_dir, tmp_path / "entry", name="entry", advertise_vram=4 << 30,
                                 secret_file=secret, peer=(f"127.0.0.1:{port}",), chat_template="gemma") as entry, \
                 aiohttp.ClientSession() as http:
-            await until(lambda: entry.node.serves() and not entry.node.view.is_supernode, timeout=60)
+            await until(lambda: entry.node.uplink.serves() and not entry.node.view.is_supernode, timeout=60)
             model = sup.node.model_name
             for peer in (sup, entry):
                 assert await chat_fields(http, peer.url, model) == (False, None)
@@ -293,7 +293,7 @@ async def test_without_a_template_chat_is_refused_until_a_peer_with_one_leads(ge
 
             sup.stop.set()  # a graceful stop: the member takes over, with its own template
             await asyncio.wait_for(sup.task, 60)
-            await until(lambda: entry.node.view.is_supernode and entry.node.serves(), timeout=300)
+            await until(lambda: entry.node.view.is_supernode and entry.node.uplink.serves(), timeout=300)
             assert await chat_fields(http, entry.url, model) == (True, "gemma")
             await assert_renders_as_gemma(http, entry.url, reference)
             await assert_answers(http, entry.url, reference)

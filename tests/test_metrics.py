@@ -32,7 +32,7 @@ async def pair(tiny_model_dir, tmp_path_factory):
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:  # both linked, one plan, pings measured
                 links = [sup.node.view.links.get(peer.node.node_id), peer.node.view.links.get(sup.node.node_id)]
-                if all(link is not None and link.rtt_ms is not None for link in links) and peer.node.serves():
+                if all(link is not None and link.rtt_ms is not None for link in links) and peer.node.uplink.serves():
                     break
                 await asyncio.sleep(0.1)
             else:

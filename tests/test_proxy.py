@@ -85,7 +85,7 @@ async def test_the_entry_peer_answers_what_the_supernode_answers(tiny_model_dir,
 async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, tmp_path):
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, TOKENS)
     async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0, drain_timeout_s=1.0) as (sup, entry):
-        term = entry.node.current_term()
+        term = entry.node.uplink.current_term()
 
         async def kill_after_a_few(events: list) -> None:
             if len(token_ids(events)) >= 4 and not sup.task.cancelling():
@@ -99,7 +99,7 @@ async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, 
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
         assert token_ids(events) == want
         assert [e for e in logs if e.get("event") == "proxy_resubmit"], "the stream did not survive a resubmit"
-        assert entry.node.view.is_supernode and entry.node.current_term() > term
+        assert entry.node.view.is_supernode and entry.node.uplink.current_term() > term
 
 
 def by_choice(events: list) -> dict[int, list[int]]:
@@ -166,7 +166,7 @@ async def test_a_stream_cut_while_the_supernode_lives_goes_on_within_the_heartbe
     must not wait for a new supernode (the failover wait, 30 s) but resume on the same one."""
     want = await asyncio.to_thread(greedy_reference, tiny_model_dir, PROMPT, TOKENS)
     async with linked_pair(tiny_model_dir, tmp_path, debug_layer_delay_ms=5.0) as (sup, entry):
-        term, cut_at = entry.node.current_term(), []
+        term, cut_at = entry.node.uplink.current_term(), []
 
         async def cut_after_a_few(events: list) -> None:
             if len(token_ids(events)) >= 4 and not cut_at:
@@ -182,7 +182,7 @@ async def test_a_stream_cut_while_the_supernode_lives_goes_on_within_the_heartbe
         assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), events
         assert token_ids(events) == want
         assert [e for e in logs if e.get("event") == "upstream_unchanged"], "the entry did not go back to it"
-        assert entry.node.current_term() == term and not entry.node.view.is_supernode
+        assert entry.node.uplink.current_term() == term and not entry.node.view.is_supernode
         bound = entry.node.config.heartbeat_s * entry.node.config.missed_beats
         # Silence (sock_read) and the wait for a change are both the heartbeat bound; the
         # failover wait is 30 s. Not a speed figure: the gap between the two is 20 s.

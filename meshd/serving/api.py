@@ -249,7 +249,7 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
         return await proxy_completion(node, request, body, chat)
     req, tokenizer = await _prepared(node, body, chat)
     if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
-        raise NoCapacity(node.unavailable_reason())
+        raise NoCapacity(node.uplink.unavailable_reason())
     cid = completion_id(req.chat)
     async with _opened(node, req, client, cid, trace) as sessions:
         # Counted from here to the last byte, so that a stop waits for it also between its
@@ -264,7 +264,7 @@ async def _prepared(node: Daemon, body, chat: bool,
     history, which stands in for the body's meshd_resume)."""
     engine_ready = await node.serving_parts_soon()
     if engine_ready is None:
-        raise NoCapacity(node.unavailable_reason())
+        raise NoCapacity(node.uplink.unavailable_reason())
     tokenizer, context = engine_ready
     check_prompt_size(body, context, tokenizer.max_token_chars)
     history = None
@@ -467,9 +467,9 @@ async def model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """GET /health (what OpenAI-compatible servers answer for load balancers): 200 when this peer serves."""
     node = request.app[NODE]
-    if node.serves() and not node.stopping:
+    if node.uplink.serves() and not node.stopping:
         return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unavailable", "reason": node.unavailable_reason()}, status=503)
+    return web.json_response({"status": "unavailable", "reason": node.uplink.unavailable_reason()}, status=503)
 
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
@@ -484,13 +484,13 @@ async def tokenize(request: web.Request) -> web.Response:
     if not node.view.is_supernode:
         if _mesh_peer(request):  # a peer took this one for the supernode: not a chain of hand-overs
             raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})")
-        async with node.supernode_post(request.path, body, request.headers.get("Authorization", ""),
+        async with node.uplink.post(request.path, body, request.headers.get("Authorization", ""),
                                        client=client_id(request, False, _bearer(request)),
                                        request_id=request.get(REQUEST_ID, "")) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     parts = await node.serving_parts_soon()
     if parts is None:
-        raise NoCapacity(node.unavailable_reason())
+        raise NoCapacity(node.uplink.unavailable_reason())
     tokenizer, context = parts
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -516,7 +516,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def healthz(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    serving = node.serves()
+    serving = node.uplink.serves()
     return web.json_response({"ok": serving, "node": node.node_id}, status=200 if serving else 503)
 
 
@@ -531,7 +531,7 @@ async def drain(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("node"), str):
         raise BadRequest('the body must be {"node": NODE_ID}', param="node")
     if not node.view.is_supernode:  # with the caller's key: the supernode checks its own
-        async with node.supernode_post(request.path, body, request.headers.get("Authorization", "")) as up:
+        async with node.uplink.post(request.path, body, request.headers.get("Authorization", "")) as up:
             return web.Response(body=await up.read(), status=up.status, content_type="application/json")
     return web.json_response(await node.drain_peer(body["node"]))
 

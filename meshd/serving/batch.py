@@ -488,7 +488,7 @@ class BatchRunner:
 
     async def _until_serving(self, job: Job) -> bool:
         """Wait while this peer cannot serve (no plan yet, a failover); False once the job stopped."""
-        while not self.node.serves() or self.node.stopping:
+        while not self.node.uplink.serves() or self.node.stopping:
             if self._stopped(job):
                 return False
             await asyncio.sleep(0.25)

@@ -4,14 +4,14 @@ node, as Protocols: the node satisfies them, and nothing in serving/ imports it.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncContextManager, ContextManager, Protocol
+from typing import ContextManager, Protocol
 
-import aiohttp
 from aiohttp import web
 
 from meshd.config import Config
 from meshd.control.mesh import MeshView
 from meshd.control.store import ModelStore
+from meshd.control.uplink import Uplink
 from meshd.serving.batch import BatchRunner
 from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
@@ -23,26 +23,15 @@ from shards.tokenizer import MeshTokenizer
 
 
 class Upstream(Protocol):
-    """What the entry peer's proxy needs: where the supernode is, and how to wait for the next one."""
+    """What the entry peer's proxy needs: the way to the supernode (and the waits of a
+    failover), and the count of completions a stop waits for."""
 
     config: Config
-    http: aiohttp.ClientSession | None
+    uplink: Uplink
 
     def relaying(self) -> ContextManager[asyncio.Event]:
         """Counts a completion this peer answers or relays to the supernode while it runs
         (a stop waits for it); yields the event set when the stop waits no longer."""
-
-    def upstream_mark(self) -> tuple:
-        """Who serves now (supernode, term, link): what a failed attempt waits to see change."""
-
-    def supernode_post(self, path: str, body: object, authorization: str = "",
-                       timeout: aiohttp.ClientTimeout | None = None, client: str = "",
-                       request_id: str = "", traceparent: str = "") -> AsyncContextManager:
-        """POST to the supernode's API: over the sealed link, or on loopback if we are it."""
-
-    async def wait_upstream_change(self, mark: tuple, same_again: bool = True) -> None:
-        """Until a supernode serves that is not the one ``mark`` names (NoCapacity after the
-        failover wait); ``same_again``: or the same one, still reachable after the heartbeat bound."""
 
 
 class Daemon(Upstream, Protocol):
@@ -66,15 +55,11 @@ class Daemon(Upstream, Protocol):
     @property
     def model_name(self) -> str: ...
 
-    def serves(self) -> bool: ...
-
     async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
         """serving_parts, once a plan being negotiated is active (bounded)."""
 
     def serving_parts(self) -> tuple[MeshTokenizer, int] | None:
         """The supernode's tokenizer and context length, once it serves."""
-
-    def unavailable_reason(self) -> str: ...
 
     def own_url(self) -> str:
         """This peer's own API (batch lines are sent there, as any client's request)."""
@@ -86,9 +71,6 @@ class Daemon(Upstream, Protocol):
     async def drain_peer(self, peer: NodeId) -> dict: ...
 
     def status(self) -> dict: ...
-
-    def supernode_get(self, path: str, timeout_s: float) -> AsyncContextManager:
-        """GET a read-only path of the supernode's API over the sealed link (a member's /live, /traces)."""
 
 
 NODE = web.AppKey("node", Daemon)

@@ -79,7 +79,7 @@ class Observe:
         """Whether this peer answers ``request`` with its supernode's figures: it is a member
         that serves, and the request is not one a member tunneled here."""
         node = request.app[NODE]
-        return not node.view.is_supernode and not self.mesh_peer(request) and node.serves()
+        return not node.view.is_supernode and not self.mesh_peer(request) and node.uplink.serves()
 
     async def _from_supernode(self, request: web.Request, path: str) -> tuple[int, object] | None:
         """(status, JSON) of ``path`` on the supernode, for a member; None on the supernode
@@ -89,7 +89,7 @@ class Observe:
             return None
         try:
             async with asyncio.timeout(RELAY_TIMEOUT_S):
-                async with node.supernode_get(path, RELAY_TIMEOUT_S) as up:
+                async with node.uplink.get(path, RELAY_TIMEOUT_S) as up:
                     return up.status, json.loads(await up.read())
         except (aiohttp.ClientError, TimeoutError, NoCapacity, ValueError) as exc:
             log.info("relay_failed", path=path, error=str(exc) or type(exc).__name__)

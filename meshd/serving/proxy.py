@@ -144,7 +144,7 @@ async def _proxy_completion(node: Upstream, client: _Client, body: object, chat:
     while True:
         # The first attempt as the client sent it; each later one with every choice's history.
         msg = edge.request(chat, raw) if attempts or handoff else gen.Generate(int(chat), raw)
-        mark = node.upstream_mark()
+        mark = node.uplink.mark()
         try:
             refused = await _relay(node, msg, edge, client)
             if refused is not None:
@@ -172,7 +172,7 @@ async def _proxy_completion(node: Upstream, client: _Client, body: object, chat:
                         without_progress=resubmits)
             try:
                 if not isinstance(exc, _Retry) or exc.moved:
-                    await node.wait_upstream_change(mark, same_again=not (isinstance(exc, _Retry) and exc.told))
+                    await node.uplink.wait_change(mark, same_again=not (isinstance(exc, _Retry) and exc.told))
                 else:  # the same supernode, once it had a moment (a re-plan under way)
                     await asyncio.sleep(node.config.heartbeat_s)
             except NoCapacity as gone:
@@ -227,7 +227,7 @@ async def _relay(node: Upstream, msg: gen.Generate, edge: Edge, client: _Client)
     # Over the sealed link (the client's own key goes along: the supernode's keys apply).
     request = client.request
     ctx = request.get(TRACE)
-    async with node.supernode_post(GENERATE, encode(msg, gen.REQUEST_TYPES), request.headers.get("Authorization", ""),
+    async with node.uplink.post(GENERATE, encode(msg, gen.REQUEST_TYPES), request.headers.get("Authorization", ""),
                                    silence, client=request.get(CLIENT_KEY, ""), request_id=request.get(REQUEST_ID, ""),
                                    traceparent=ctx.header() if ctx is not None else "") as up:
         if up.status != 200:  # the supernode's keys, or the tunnel's own refusal

@@ -13,7 +13,7 @@ from protocol.messages import Measured
 
 def build_status(node: Daemon) -> dict:
     view, caps, scheduler = node.view, node.view.caps, node.scheduler
-    serving = node.serves()
+    serving = node.uplink.serves()
     me = {
         "id": node.node_id,
         "name": node.config.name,
@@ -76,7 +76,7 @@ def build_status(node: Daemon) -> dict:
         "term": view.shown_term(),
         "model": node.model_name,
         "serving": serving,
-        "reason": None if serving else node.unavailable_reason(),
+        "reason": None if serving else node.uplink.unavailable_reason(),
         "plan": plan_json(view.plan.assignments) if view.plan is not None else [],
         "peers": peers,
         "terms": [t.to_json() for t in view.history[-10:]],
