@@ -34,18 +34,22 @@ import sqlite3
 import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshd.config import Config
 from meshd.control import tunnel
+from meshd.control.mesh import MeshView
+from meshd.control.uplink import Uplink
 from meshd.errors import BadRequest, MeshError, StorageFull
 from meshd.serving.batchinput import ENDPOINTS, MAX_CUSTOM_ID, new_id, result_record, validate_input
 from meshd.serving.guards import MAX_JSON_DEPTH, parse_json
 from meshd.serving.openai import find_surrogate
 from meshd.serving.batchstore import DB_NAME, LEGACY_OWNER, TERMINAL, BatchStore, Line, Status
+from protocol.messages import NodeId
 
 log = structlog.get_logger()
 
@@ -129,11 +133,26 @@ class Job:
                 "eta_s": round(left / lines_s, 1) if lines_s > 0 and self.total else None}
 
 
+class BatchHost(Protocol):
+    """What the batch runner reads of the peer it runs on: its settings and state dir, the
+    mesh (who would lead without it: its replicas go there), whether a line can be served
+    or the peer stops, and its own API (lines go there as any client's requests)."""
+
+    config: Config
+    view: MeshView
+    uplink: Uplink
+    stopping: bool
+
+    def own_url(self) -> str: ...
+
+    def local_auth(self) -> dict[str, str]: ...
+
+
 class BatchRunner:
     """Runs this peer's batch jobs; one task per job, owned by this runner's group,
     which the node's group owns."""
 
-    def __init__(self, node):
+    def __init__(self, node: BatchHost):
         self.node = node
         self.store = BatchStore(node.config.state_dir / DB_NAME, node.config.batch_max_bytes)
         self.jobs: dict[str, Job] = {}
@@ -330,7 +349,7 @@ class BatchRunner:
     async def _send(self, holder: str, payload: dict, job: Job) -> str | None:
         """One call to the holder's replica endpoint over the sealed link: its answer, or
         None when it could not be asked (the next round tries again)."""
-        link = self.node.view.live_links().get(holder)
+        link = self.node.view.live_links().get(NodeId(holder))
         if link is None:
             return None
         try:
