@@ -84,7 +84,8 @@ class Config:
     http_idle_s: float = 30.0
     # KV cache positions (summed over sessions, prompt + max_tokens each in the whole
     # 256-position chunks the stages' caches take) the supernode admits before
-    # answering 503; None: a quarter of the memory budget.
+    # answering 503; None: a quarter of the memory budget (of the plan's tightest stage).
+    # Never more than the plan's stages hold in half their memory (store.STAGE_KV_SHARE).
     kv_budget_tokens: int | None = None
     # Batch jobs (OpenAI's Batch API): lines this peer keeps in flight at once (enough
     # to fill a step's batch; the scheduler keeps interactive requests ahead of them),

@@ -7,10 +7,10 @@ ModelError`` means the same in both. ``KNOWN_ERRORS`` is what a catch site names
 takes any error raised on purpose, by meshd or by the model side."""
 
 from protocol.errors import ProtocolError
-from shards.errors import InvalidParams, ModelError, ShardCorrupt, ShardMissing, ShardsError
+from shards.errors import InvalidParams, KVFull, ModelError, ShardCorrupt, ShardMissing, ShardsError
 
 __all__ = [
-    "AuthError", "BadRequest", "ConfigError", "InvalidParams", "KNOWN_ERRORS", "MeshError", "ModelError",
+    "AuthError", "BadRequest", "ConfigError", "InvalidParams", "KNOWN_ERRORS", "KVFull", "MeshError", "ModelError",
     "NoCapacity", "PeerLost", "ProtocolError", "ShardCorrupt", "ShardMissing", "ShardsError", "StageFailed",
     "SupernodeChanged",
 ]

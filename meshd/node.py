@@ -42,7 +42,7 @@ from meshd.control.mesh import MeshView
 from meshd.control import tunnel
 from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
-from meshd.control.store import ModelStore, local_model, model_path
+from meshd.control.store import STAGE_KV_SHARE, ModelStore, local_model, model_path
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
 from meshd.control.uplink import Uplink
 from meshd.errors import (
@@ -460,9 +460,8 @@ class Node:
         stage of the active plan holds in KV_SHARE of its peer's memory, a position costing
         its span's layers' KV (and on this peer, once one is loaded, the draft model's: its
         caches, one per session drafting, sit here too); before a plan, this peer holding
-        the whole model."""
-        if self.config.kv_budget_tokens is not None:
-            return self.config.kv_budget_tokens
+        the whole model. A configured budget is held to what those stages' own limits let them
+        hold (``store.STAGE_KV_SHARE``): past it they would refuse the steps (KV_FULL)."""
         config = manifest.config
         per_layer = kv_bytes_per_token(config, torch.float32) // max(1, config.n_layers)
         drafter = self.scheduler.drafter
@@ -478,7 +477,15 @@ class Node:
                 stages.append((caps, per_token))
         if not stages:  # before a plan, or one whose peers this one no longer links to (the next has the say)
             stages = [(self.view.caps, config.n_layers * per_layer + draft)]  # this peer holding every layer
-        return max(config.max_position, min(int(caps.mem_budget * KV_SHARE) // n for caps, n in stages))
+        configured = self.config.kv_budget_tokens
+        if configured is None:
+            return max(config.max_position, min(int(caps.mem_budget * KV_SHARE) // n for caps, n in stages))
+        held = max(config.max_position, min(int(caps.mem_budget * STAGE_KV_SHARE) // n for caps, n in stages))
+        if configured > held:
+            log.warning("kv_budget_capped", configured=configured, stages_hold=held,
+                        reason="the plan's stages hold no more than this in their share of memory")
+            return held
+        return configured
 
     def _plan_budget(self, plan: ActivePlan | None) -> None:
         """A new plan spreads the layers, and their KV, over other peers: the budget follows."""

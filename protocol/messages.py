@@ -250,12 +250,24 @@ class ResultBatch:
     queued: float = field(default=0.0, metadata={"max": MAX_CALL_S})
 
 
+class FailCode(IntEnum):
+    """Why a stage failed a step, for the supernode to act on (the reason text is for people)."""
+
+    OTHER = 0  # see the reason: a new plan, then a replay; also what an older peer's Fail reads as
+    KV_FULL = 1  # its caches would pass its own limit: the step's sessions end (no re-plan)
+
+    @classmethod
+    def _missing_(cls, value: object) -> FailCode:
+        return cls.OTHER  # a code from a newer peer
+
+
 @dataclass(frozen=True, slots=True)
 class Fail:
     tag: ClassVar[str] = "fail"
     term: int = field(metadata=TERM)
     req: int
     reason: str
+    code: FailCode = FailCode.OTHER
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from shards import rowops
-from shards.errors import CacheMissing, ModelError
+from shards.errors import CacheMissing, KVFull, ModelError
 from shards.config import ModelConfig
 from shards.manifest import Manifest
 from shards.layers import Block, Caches, KVCache, rope_tables
@@ -253,6 +253,10 @@ class StageEngine:
         self._closed = False
         self._forwarding: frozenset[str] = frozenset()  # (worker's) sessions of the forward running
         self.epoch = 0  # drop_all calls so far
+        # The most positions this stage's caches may hold (whole chunks, every session's,
+        # cached prefixes too): a step that would grow them past it is refused (KVFull)
+        # before any cache changes. None: no limit (set by whoever knows the peer's memory).
+        self.kv_limit: int | None = None
 
     @classmethod
     def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
@@ -340,6 +344,8 @@ class StageEngine:
             if start + rows > self.config.max_position:
                 raise ModelError(f"positions up to {start + rows} exceed max {self.config.max_position}")
             batch.append((session, start, rows, caches))
+        if self.kv_limit is not None:
+            self._check_room(batch)
         # Checked every segment before touching any cache: a bad batch changes nothing.
         for session, start, _, caches in batch:
             self._caches[session] = caches
@@ -430,6 +436,24 @@ class StageEngine:
     def cached_length(self, session: str) -> int:
         caches = self._caches.get(session)
         return next(iter(caches.values())).length if caches else 0
+
+    def kv_bytes_per_position(self) -> int:
+        """What one position of one session costs in this stage's caches (its span's layers)."""
+        layers = len(self.span) if self.span is not None else 0
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return layers * 2 * self.config.n_kv_heads * self.config.head_dim * element
+
+    def _check_room(self, batch: list) -> None:
+        """KVFull when the step's caches would grow past ``kv_limit`` (a cache grows a chunk
+        at a time and keeps its chunks when cut back)."""
+        assert self.kv_limit is not None
+        grow = 0
+        for session, start, rows, caches in batch:
+            held = next(iter(caches.values())).capacity if caches else 0
+            grow += max(0, KVCache.room_for(start + rows) - held)
+        if grow and (total := self.held_positions() + grow) > self.kv_limit:
+            raise KVFull(f"this stage's KV caches would hold {total} positions, past its limit of {self.kv_limit} "
+                         f"({len(self._caches)} sessions' caches here already)")
 
     def held_positions(self) -> int:
         """Positions of memory every session's caches hold (a cache grows in chunks and

@@ -16,6 +16,11 @@ class CacheMissing(ModelError):
     dropped under it): the session replays from 0."""
 
 
+class KVFull(ModelError):
+    """A step would grow this stage's KV caches past the stage's own limit (its share of
+    its peer's memory): the step's sessions cannot go on here now."""
+
+
 class ShardMissing(ShardsError):
     """A shard file is absent from the model directory."""
 

@@ -20,12 +20,14 @@ import torch
 from meshd.control.follower import Follower
 from meshd.control.leader import Leader
 from meshd.control.runner import LocalRunner
-from meshd.errors import ModelError, PeerLost
+from meshd.control.store import STAGE_KV_SHARE
+from meshd.errors import ModelError, NoCapacity, PeerLost
 from protocol.messages import (
     Accept,
     Assignment,
     Commit,
     Fail,
+    FailCode,
     ForwardBatch,
     NodeId,
     Plan,
@@ -36,6 +38,7 @@ from protocol.messages import (
     SessionId,
 )
 from shards.engine import StageEngine
+from shards.layers import KVCache
 from shards.manifest import Manifest
 from shards.span import Span
 from shards.wire import from_wire, to_wire
@@ -171,3 +174,49 @@ async def test_a_step_on_a_replaced_engine_is_retried_not_fatal(tiny_model_dir):
                         SimpleNamespace(engine=engine), authority=None, spawn=None)
     await follower.serve_forward(link, ForwardBatch(1, 7, tuple(segments), to_wire(hidden)))
     assert len(sent) == 1 and isinstance(sent[0], Fail) and "closed" in sent[0].reason, sent
+
+
+async def test_a_stage_refuses_a_step_past_its_own_kv_limit_and_changes_no_cache(peer):
+    """A stage holds its KV caches to its own share of its memory, whatever the supernode
+    admits: a step that would grow them past it is a Fail the supernode reads as KV_FULL
+    (its sessions end; no new plan), refused before any cache changes; room made by a drop
+    takes the step."""
+    m = peer.manifest
+    await peer.follower.on_plan(peer.sup, plan(m, term=3))
+    peer.follower.on_commit(peer.sup, Commit(3))
+    engine = peer.store.engine
+    per_position = (m.n_layers - 2) * 2 * m.config.n_kv_heads * m.config.head_dim * 4  # its 4 layers, fp32
+    assert engine.kv_limit == int(3 * GiB * STAGE_KV_SHARE) // per_position // KVCache.CHUNK * KVCache.CHUNK
+    engine.kv_limit = 2 * KVCache.CHUNK  # a peer with room for two chunks of one session
+
+    def forward(session: str, start: int, rows: int, req: int):
+        hidden = torch.randn(rows, m.config.hidden_size)
+        return peer.follower.serve_forward(peer.sup, ForwardBatch(3, req, (Segment(SessionId(session), start, rows),),
+                                                                  to_wire(hidden)))
+
+    await forward("a", 0, 300, 1)  # two chunks: all there is
+    await forward("b", 0, 1, 2)
+    await forward("a", 300, 1, 3)  # within what it holds: no growth
+    results, fails = peer.sup.of(ResultBatch), peer.sup.of(Fail)
+    assert [r.req for r in results] == [1, 3]
+    assert [(f.req, f.code) for f in fails] == [(2, FailCode.KV_FULL)] and "limit of 512" in fails[0].reason
+    assert engine.cached_length("b") == 0 and engine.cached_length("a") == 301 and engine.held_positions() == 512
+    peer.follower.drop("a")
+    await forward("b", 0, 1, 4)
+    assert peer.sup.of(ResultBatch)[-1].req == 4 and engine.held_positions() == KVCache.CHUNK
+
+
+async def test_the_supernodes_own_span_past_its_kv_limit_ends_the_step_as_no_capacity(tiny_model_dir):
+    """On the supernode's own span the same refusal is NoCapacity (the step's sessions end
+    with a 503), not a StageFailed that would ask for a new plan."""
+    n = Manifest.load(tiny_model_dir).n_layers
+    engine = await asyncio.to_thread(StageEngine.load, tiny_model_dir, Span(0, n), False, False, "cpu", "float32")
+    try:
+        engine.kv_limit = KVCache.CHUNK
+        runner = LocalRunner(engine)
+        hidden = torch.randn(2, engine.config.hidden_size)
+        await runner.forward_batch(1, [Segment(SessionId("a"), 0, 2)], hidden)
+        with pytest.raises(NoCapacity, match="no room"):
+            await runner.forward_batch(1, [Segment(SessionId("b"), 0, 2)], hidden)
+    finally:
+        engine.close()

@@ -25,7 +25,9 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import torch
+from structlog.testing import capture_logs
 
+from meshd.control.store import STAGE_KV_SHARE
 from meshd.control.tunnel import CLIENT_HEADER, TUNNEL_HEADER
 from meshd.node import KV_SHARE
 from meshd.serving.scheduler import kv_bytes_per_token
@@ -322,3 +324,38 @@ async def test_the_kv_budget_is_what_the_tightest_stage_of_the_plan_holds(tiny_m
             del node.view.links[other]
             await node.pipeline.serve(plan.term + 2, plan.assignments, dict(plan.runners))
         assert node.scheduler.kv_budget_tokens == alone
+
+
+async def test_a_configured_kv_budget_is_held_to_what_the_stages_can_hold(tiny_model_dir, tmp_path):
+    """A configured budget past what the plan's stages hold in their own share of memory
+    (``STAGE_KV_SHARE``: past it a stage refuses the step) admits only that much, and says
+    so in the log; one within it stands as configured."""
+    config = Manifest.load(tiny_model_dir).config
+    per_position = kv_bytes_per_token(config, torch.float32)
+    with capture_logs() as logs:
+        async with running_node(tiny_model_dir, tmp_path / "big", kv_budget_tokens=10**15) as served:
+            held = int(served.node.view.caps.mem_budget * STAGE_KV_SHARE) // per_position
+            assert served.node.scheduler.kv_budget_tokens == max(config.max_position, held) < 10**15
+    assert [e for e in logs if e.get("event") == "kv_budget_capped"]
+    async with running_node(tiny_model_dir, tmp_path / "small", kv_budget_tokens=3 * KVCache.CHUNK) as served:
+        assert served.node.scheduler.kv_budget_tokens == 3 * KVCache.CHUNK
+
+
+async def test_a_stage_without_room_ends_that_request_with_a_503_and_the_peer_serves_on(tiny_model_dir, tmp_path):
+    """A stage whose caches reach its own limit mid-answer (here its limit set below what
+    the supernode admits, as a supernode of another mind would admit): that request ends
+    with a 503 naming the stage's limit, not a 200 cut short; the plan stays (no re-plan)
+    and the next request that fits is answered."""
+    async with running_node(tiny_model_dir, tmp_path / "state", prefix_cache_entries=0) as served:
+        node = served.node
+        term = node.pipeline.plan.term
+        node.store.engine.kv_limit = KVCache.CHUNK
+        async with aiohttp.ClientSession() as http:
+            long = {"prompt": "A mesh of small machines", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+            async with http.post(served.url + "/v1/completions", json=long) as resp:
+                status, data = resp.status, await resp.json()
+            assert status == 503 and "limit of 256" in data["error"]["message"], data
+            assert_error_body(data)
+            async with http.post(served.url + "/v1/completions", json=dict(long, max_tokens=8)) as resp:
+                assert resp.status == 200 and len((await resp.json())["choices"][0]["token_ids"]) == 8
+        assert node.pipeline.plan.term == term and node.store.engine.held_positions() == 0

@@ -9,7 +9,8 @@ import msgpack
 import pytest
 import torch
 
-from meshd.errors import ProtocolError
+from meshd.control.peers import step_error
+from meshd.errors import NoCapacity, PeerLost, ProtocolError, StageFailed
 from protocol import codec
 from protocol.codec import decode, encode, pack_tensor, unpack_tensor
 from protocol.messages import (
@@ -25,6 +26,7 @@ from protocol.messages import (
     Commit,
     Drop,
     Fail,
+    FailCode,
     ForwardBatch,
     Hello,
     Leaving,
@@ -199,6 +201,23 @@ def test_a_reject_without_a_code_or_with_an_unknown_one_reads_as_other():
     assert decode(pack(f)) == Reject(term=3, reason=SAMPLES[7].reason, capacity=1024)
     f["code"] = 99
     assert decode(pack(f)).code is RejectCode.OTHER
+
+
+def test_a_fail_says_whether_the_stage_is_full_and_an_older_or_newer_code_reads_as_other():
+    """KV_FULL ends the step's sessions (NoCapacity, no new plan); any other Fail, an older
+    peer's without a code, or a newer one's with a code this peer does not know, is a stage
+    that failed (a new plan, then a replay)."""
+    full = Fail(term=3, req=9, reason="past its limit", code=FailCode.KV_FULL)
+    assert decode(encode(full)) == full
+    assert isinstance(step_error("b", full), NoCapacity) and not isinstance(step_error("b", full), PeerLost)
+    f = frame(full)
+    for code in (None, 99):
+        if code is None:
+            del f["code"]
+        else:
+            f["code"] = code
+        old = decode(pack(f))
+        assert old.code is FailCode.OTHER and isinstance(step_error("b", old), StageFailed)
 
 
 def test_an_int_is_accepted_as_a_float():

@@ -23,8 +23,8 @@ from meshd.control.peers import Link
 from meshd.control.placement import validate
 from meshd.control.runner import Forwarded, LocalRunner, run_span
 from meshd.control.store import ModelStore
-from meshd.errors import KNOWN_ERRORS, PeerLost
-from protocol.messages import (Accept, Commit, Fail, ForwardBatch, Measured, Message, NodeId, Plan, Reject, RejectCode,
+from meshd.errors import KNOWN_ERRORS, KVFull, PeerLost
+from protocol.messages import (Accept, Commit, Fail, FailCode, ForwardBatch, Measured, Message, NodeId, Plan, Reject, RejectCode,
                                ResultBatch)
 from shards.engine import DECODE_BATCH, URGENT, StageEngine, measure_layer_ms
 from shards.wire import from_wire, to_wire
@@ -147,7 +147,8 @@ class Follower:
                                                   delay_ms=self.config.debug_layer_delay_ms, forwarded=self.forwarded)
         except KNOWN_ERRORS as exc:
             log.warning("forward_failed", sessions=len(msg.segments), error=str(exc))
-            await _reply(link, Fail(msg.term, msg.req, str(exc)))
+            code = FailCode.KV_FULL if isinstance(exc, KVFull) else FailCode.OTHER
+            await _reply(link, Fail(msg.term, msg.req, str(exc), code))
             return
         # Its share of the step's time goes back with it: the supernode's traces and live figures.
         await _reply(link, ResultBatch(msg.term, msg.req, to_wire(out), seconds=seconds, queued=queued))

@@ -24,7 +24,7 @@ from aiohttp import WSMsgType
 
 from meshd.control.secure import CLOSE_AUTH, WS, Channel, Forged  # noqa: F401 (CLOSE_AUTH: the handshake's code, listed with ours)
 from meshd.control.timing import STEP_TIMES
-from meshd.errors import PeerLost, ProtocolError, StageFailed
+from meshd.errors import NoCapacity, PeerLost, ProtocolError, StageFailed
 from meshd.hardware import process_rss
 from protocol.codec import decode, encode
 from protocol.messages import (
@@ -32,6 +32,7 @@ from protocol.messages import (
     Bye,
     Drop,
     Fail,
+    FailCode,
     ForwardBatch,
     Hello,
     Leaving,
@@ -55,6 +56,15 @@ CLOSE_LOST = 4004
 CLOSE_BYE = 4005
 # Round trips kept per link for its floor (one a heartbeat: the last several seconds).
 RTT_WINDOW = 8
+
+
+def step_error(peer: str, fail: Fail) -> StageFailed | NoCapacity:
+    """What a stage's Fail means to the step that waits on it: a broken stage (StageFailed:
+    a new plan, then a replay), or one whose caches have no room (KV_FULL: not a broken
+    stage; the step's sessions end as the supernode's own full budget would end them)."""
+    if fail.code is FailCode.KV_FULL:
+        return NoCapacity(f"{peer} has no room for the step: {fail.reason}")
+    return StageFailed(f"{peer} failed the step: {fail.reason}")
 
 
 class LinkState(Enum):
@@ -209,8 +219,8 @@ class Link:
                         self.ram_used = ram_used or None
                     case ResultBatch(req=req):
                         self._settle(req, msg)
-                    case Fail(req=req, reason=reason):
-                        self._settle(req, StageFailed(f"{self.peer_id} failed the step: {reason}"))
+                    case Fail(req=req):
+                        self._settle(req, step_error(self.peer_id, msg))
                     case ApiReply(req=req):
                         if (queue := self.api_replies.get(req)) is not None:
                             queue.put_nowait(msg)

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from meshd.control.timing import SAMPLE, STEP_TIMES
-from meshd.errors import ModelError, PeerLost, StageFailed
+from meshd.errors import KVFull, ModelError, NoCapacity, PeerLost, StageFailed
 from protocol.messages import Segment
 from shards.engine import Score, StageEngine
 from shards.errors import CacheMissing
@@ -70,6 +70,8 @@ class LocalRunner:
                 raise PeerLost(f"the supernode's span of term {term} was replaced by a newer plan") from None
             if isinstance(exc, CacheMissing):  # as a peer's stage answers it (Fail): a new plan, then a replay
                 raise StageFailed(f"{self.node or 'this peer'} failed the step: {exc}") from None
+            if isinstance(exc, KVFull):  # as a peer's stage answers it (Fail, KV_FULL): the step's sessions end
+                raise NoCapacity(f"{self.node or 'this peer'} has no room for the step: {exc}") from None
             raise
 
     async def forward_batch(self, term: int, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from meshd.control.transfer import fetch_files, fetch_manifest, missing_files, s
 from meshd.errors import KNOWN_ERRORS, ModelError, ShardMissing
 from protocol.messages import NodeId
 from shards.engine import StageEngine
+from shards.layers import KVCache
 from shards.manifest import MANIFEST_FILE, Manifest, check_model_name
 from shards.span import Span
 
@@ -30,6 +31,24 @@ log = structlog.get_logger()
 
 BY_DIGEST = ".by-digest"  # models/.by-digest/<sha256>: a model fetched under a name this peer holds another of
 EngineKey = tuple[str, Span | None, bool, bool]  # (manifest digest, span, embed, head)
+
+
+# Of a peer's memory budget, what its stage's KV caches may hold, whatever the supernode
+# admits: twice the share the supernode's default budget plans with (node.KV_SHARE), so
+# that a cache dropped a moment late never trips it; what it stops is a supernode that
+# admits past what this peer can hold.
+STAGE_KV_SHARE = 0.5
+
+
+def stage_kv_limit(engine: StageEngine, mem_budget: int) -> int | None:
+    """The most KV positions ``engine``'s caches may hold on a peer of ``mem_budget`` bytes:
+    STAGE_KV_SHARE of it, and never less than one session of the whole context (as the
+    supernode's budget is never less than one). None for a span without layers."""
+    per_position = engine.kv_bytes_per_position()
+    if per_position == 0:
+        return None
+    context = KVCache.room_for(engine.config.max_position)
+    return max(context, int(mem_budget * STAGE_KV_SHARE) // per_position // KVCache.CHUNK * KVCache.CHUNK)
 
 
 def model_path(config: Config, model: str) -> Path:
@@ -146,6 +165,7 @@ class ModelStore:
             StageEngine.load, model_dir, span, embed, head, self.config.device, self.config.dtype
         )
         self._keys[engine] = key
+        engine.kv_limit = stage_kv_limit(engine, self.view.caps.mem_budget)
         # Only a model whose files checked out and loaded becomes this peer's model: one a
         # plan named that does not load leaves the one this peer had in place.
         self._adopt(model_dir, manifest)
