@@ -202,8 +202,8 @@ def _plain(hint: Any, meta: Any) -> Callable[[object], bool] | None:
     """A quick test that a value is already fine as it is (most are): only what fails
     it goes through the checked reader, which then says what is wrong."""
     if hint is int:
-        hi = (meta or {}).get("max", _MAX_INT)
-        return lambda v: type(v) is int and 0 <= v <= hi
+        hi, lo = (meta or {}).get("max", _MAX_INT), (meta or {}).get("min", 0)
+        return lambda v: type(v) is int and lo <= v <= hi
     if hint is str:
         return lambda v: type(v) is str
     if hint in (NodeId, SessionId):
@@ -224,8 +224,8 @@ def _keyed(key: str, default: Any, read: Reader, plain: Callable[[object], bool]
 def _value_reader(hint: Any, meta: Any = None) -> Reader:
     """How to read one value of type ``hint`` (the wire types messages may use)."""
     if hint is int:
-        hi = (meta or {}).get("max", _MAX_INT)
-        return lambda v: v.as_int(hi)
+        hi, lo = (meta or {}).get("max", _MAX_INT), (meta or {}).get("min", 0)
+        return lambda v: v.as_int(hi, lo)
     if hint is float and meta and "max" in meta:  # a bounded duration: 0..max
         hi = meta["max"]
         return lambda v: v.as_float(hi)
@@ -356,13 +356,14 @@ class _Fields:
     def _wrong(self, want: str) -> ProtocolError:
         return ProtocolError(f"{self.where}: expected {want}, got {type(self.frame).__name__}")
 
-    # One value, as a type. All integers on this wire are non-negative.
-    def as_int(self, hi: int = _MAX_INT) -> int:
+    # One value, as a type. Integers on this wire are non-negative unless a field's
+    # ``min`` says otherwise (a sampling seed).
+    def as_int(self, hi: int = _MAX_INT, lo: int = 0) -> int:
         v = self.frame
         if not _is_int(v):
             raise self._wrong("int")
-        if not 0 <= v <= hi:
-            raise ProtocolError(f"{self.where}: {v} is outside 0..{hi}")
+        if not lo <= v <= hi:
+            raise ProtocolError(f"{self.where}: {v} is outside {lo}..{hi}")
         return v
 
     def as_float(self, hi: float | None = None) -> float:

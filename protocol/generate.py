@@ -1,19 +1,20 @@
 """A completion between the peer a client talks to (the entry peer) and the supernode,
 as typed frames: OpenAI's JSON and server-sent events exist only at the HTTP edge of
-the entry peer (``meshd.serving.edge``), never inside the mesh.
+the entry peer (``meshd.serving.openai.read_request`` in, ``meshd.serving.edge`` out),
+never inside the mesh.
 
-The entry peer sends one ``Generate``; the supernode answers with a stream of frames:
-``Begin``, then ``Delta`` per choice as tokens come (``Keepalive`` while none do), then
-``Usage`` and ``End``; or a ``Failure`` at any point, whose ``act`` says what the entry
-peer does (give it to the client, or ask the next supernode). An answer without ``End``
-or ``Failure`` was cut off. The frames ride the sealed link's API tunnel one after the
-other, each behind its length (``frame`` / ``read_frames``), encoded by ``protocol.codec``
-like any wire message (the same bounds and checks on the way in).
-
-The request's content (prompt or messages, sampling fields, tools, response format)
-travels as the client's JSON body: it is read once, by the supernode, with its
-tokenizer and chat template, which no other peer holds. Everything the mesh itself
-decides (each choice's history on a resubmission, the choices already whole) is typed.
+The entry peer sends one ``Generate``: the client's ``Request`` as its edge read and
+checked it (every field that needs no tokenizer), and each choice's history (the
+client's own ``meshd_resume``, or a resubmission's) with the choices already whole.
+The supernode checks again what a peer could have sent out of bounds, and what needs
+its tokenizer, context and chat template (``openai.prepare``). It answers with a stream
+of frames: ``Begin``, then ``Delta`` per choice as tokens come (``Keepalive`` while none
+do), then ``Usage`` and ``End``; or a ``Failure`` at any point, whose ``act`` says what
+the entry peer does (give it to the client, or ask the next supernode). An answer
+without ``End`` or ``Failure`` was cut off. The frames ride the sealed link's API
+tunnel one after the other, each behind its length (``frame`` / ``read_frames``),
+encoded by ``protocol.codec`` like any wire message (the same bounds and checks on the
+way in; strings and lists bounded by the frame's size).
 """
 
 from __future__ import annotations
@@ -63,15 +64,104 @@ class History:
 
 
 @dataclass(frozen=True, slots=True)
+class Call:
+    """A tool call an assistant turn made (its arguments: JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One chat message, as the chat template reads it."""
+
+    role: str
+    content: str = ""
+    no_content: int = field(default=0, metadata=FLAG)  # an assistant turn of tool calls alone (content null)
+    name: str = ""
+    named: int = field(default=0, metadata=FLAG)
+    tool_calls: tuple[Call, ...] = ()
+    calls: int = field(default=0, metadata=FLAG)  # ``tool_calls`` given (an empty list too)
+    tool_call_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One completion prompt: text, or token ids."""
+
+    text: str = ""
+    ids: tuple[int, ...] = ()
+    given_ids: int = field(default=0, metadata=FLAG)
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: str  # a JSON schema, as JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class Bias:
+    token: int
+    value: float
+
+
+# A signed field: the client's number as it came (its range is checked where it is known).
+SIGNED = {"min": -2**63, "max": 2**63 - 1}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A client's completion as the edge of the peer it came to read it: every field
+    checked that needs no tokenizer; what does (token ids against the vocabulary, the
+    context, the chat template, a grammar against the tokens) the supernode checks."""
+
+    chat: int = field(metadata=FLAG)
+    model: str = ""  # as asked ("": any)
+    messages: tuple[Turn, ...] = ()
+    prompts: tuple[Prompt, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = ""  # none | auto | required | function ("": no tools)
+    tool_name: str = ""  # the function tool_choice names
+    parallel_tools: int = field(default=0, metadata=FLAG)
+    response_format: str = ""  # "" (free text) | json_object | json_schema
+    schema: str = ""  # json_schema's schema, as JSON text
+    n: int = field(default=1, metadata=SIGNED)
+    stream: int = field(default=0, metadata=FLAG)
+    echo: int = field(default=0, metadata=FLAG)
+    include_usage: int = field(default=0, metadata=FLAG)
+    max_tokens: int = field(default=0, metadata=SIGNED)
+    max_tokens_given: int = field(default=0, metadata=FLAG)
+    max_tokens_key: str = "max_tokens"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = field(default=0, metadata=SIGNED)  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = field(default=0, metadata=SIGNED)
+    seeded: int = field(default=0, metadata=FLAG)
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[Bias, ...] = ()
+    logprobs: int = field(default=0, metadata=SIGNED)
+    logprobs_on: int = field(default=0, metadata=FLAG)
+    min_tokens: int = field(default=0, metadata=SIGNED)
+    ignore_eos: int = field(default=0, metadata=FLAG)
+    batch: int = field(default=0, metadata=FLAG)  # meshd_priority "batch"
+
+
+@dataclass(frozen=True, slots=True)
 class Generate:
     tag: ClassVar[str] = "gen"
-    chat: int = field(metadata=FLAG)
-    body: bytes  # the client's request, as JSON: the supernode validates and tokenizes it
-    # On a resubmission: each choice's history (one entry per choice, in order), and
-    # the choices already whole, which the next supernode does not run again.
+    request: Request
+    # Each choice's tokens so far (one entry per choice, in order; the client's own
+    # meshd_resume, or the history of a resubmission) and the choices already whole,
+    # which the supernode does not run again.
     resume: tuple[History, ...] = ()
     finished: tuple[int, ...] = ()
-    resumed: int = field(default=0, metadata=FLAG)  # 1: ``resume`` stands, whatever the body says
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,13 @@ def test_frames_come_back_as_they_went_in_any_pieces(piece):
 
 
 def test_a_request_with_its_history_comes_back_as_it_went():
-    req = gen.Generate(1, b'{"messages": []}', (gen.History((1, 2, 3)), gen.History()), (1,), resumed=1)
+    turns = (gen.Turn("system", "Be brief."), gen.Turn("assistant", no_content=1, calls=1,
+                                                        tool_calls=(gen.Call("c1", "f", '{"x": 1}'),)),
+             gen.Turn("tool", "42", tool_call_id="c1"))
+    asked = gen.Request(1, "m", turns, tools=(gen.Tool("f", "", '{"type": "object"}'),), tool_choice="auto",
+                        n=2, max_tokens=-3, top_k=-1, seed=-2**63, seeded=1, stop=("\n",),
+                        logit_bias=(gen.Bias(5, -100.0),), temperature=0.5)
+    req = gen.Generate(asked, (gen.History((1, 2, 3)), gen.History()), (1,))
     assert decode_of(encode(req, gen.REQUEST_TYPES), gen.REQUEST_TYPES) == req
     with pytest.raises(TypeError):  # an answer's frame is not a request
         encode(gen.End(), gen.REQUEST_TYPES)

@@ -61,7 +61,7 @@ def test_tool_calls_after_a_resubmissions_history_count_on_and_end_as_tool_calls
 def test_a_history_and_an_echo_past_the_link_messages_bounds_travel():
     """Strings and lists of these frames are bounded by the frame's size, not by the link
     messages' 64 KiB and 4096 items: a long answer's history and a long echo go through."""
-    history = gen.Generate(0, b"{}", (gen.History(tuple(range(50_000))),), resumed=1)
+    history = gen.Generate(gen.Request(0, prompts=(gen.Prompt("x" * 100_000),)), (gen.History(tuple(range(50_000))),))
     assert decode_of(encode(history, gen.REQUEST_TYPES), gen.REQUEST_TYPES, 1 << 20) == history
     echo = gen.Delta(0, "x" * 300_000, tool_calls=(gen.ToolCallDelta(0, "c", "f", "y" * 100_000),))
     assert decode_of(encode(echo, gen.OUTPUT_TYPES), gen.OUTPUT_TYPES, gen.MAX_OUTPUT_FRAME) == echo

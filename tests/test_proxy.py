@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import time
@@ -20,6 +21,7 @@ from structlog.testing import capture_logs
 
 from meshd.control.transfer import AUTH_HEADER, files_path, files_token
 from meshd.control.tunnel import GENERATE, TUNNEL_HEADER
+from meshd.serving.openai import read_request
 from protocol import generate as gen
 from protocol.codec import decode_of, encode
 from shards.layers import KVCache
@@ -78,8 +80,13 @@ async def test_the_entry_peer_answers_what_the_supernode_answers(tiny_model_dir,
             lps = [v for e in events[:-1] for c in e["choices"] for v in c["logprobs"]["token_logprobs"]]
             assert lps == direct["choices"][0]["logprobs"]["token_logprobs"]
 
+            # A request the API refuses is refused at the entry's own edge, as the supernode
+            # refuses it: it never crosses the link (the supernode has no timeline of it).
             bad = greedy() | {"temperature": 5}
-            assert await post(http, entry.url, bad) == await post(http, sup.url, bad)
+            seen = len(sup.node.traces.finished)
+            via_entry = await post(http, entry.url, bad)
+            assert len(sup.node.traces.finished) == seen and via_entry[0] == 400
+            assert via_entry == await post(http, sup.url, bad)
 
 
 async def test_the_supernode_lost_mid_stream_the_stream_goes_on(tiny_model_dir, tmp_path):
@@ -414,24 +421,30 @@ async def _generate(http: aiohttp.ClientSession, url: str, data: bytes, headers:
 async def test_the_generate_path_answers_only_the_tunnel_and_checks_what_a_peer_sends(tiny_model_dir, tmp_path):
     """/mesh/generate, where an entry peer's completions arrive: a client (no tunnel mark,
     or a wrong one) finds nothing there; what a peer sends is checked as a client's request
-    is (a frame that is not a Generate, a history of ids the model does not have, a body that
-    is not JSON) and refused with a Failure naming it, the daemon serving on; a good one is
-    answered in frames whose tokens are the direct answer's."""
+    is, also what an edge would never pass (a frame that is not a Generate, a history of ids
+    the model does not have, n of 0, a temperature past the API's, a chat turn of no role a
+    template knows) and refused with a Failure naming it, the daemon serving on; a good one
+    is answered in frames whose tokens are the direct answer's."""
     async with running_node(tiny_model_dir, tmp_path / "n") as node:
         mark = {TUNNEL_HEADER: node.node.local_token}
-        body = json.dumps(greedy(max_tokens=6)).encode()
-        good = encode(gen.Generate(0, body), gen.REQUEST_TYPES)
+        asked = read_request(greedy(max_tokens=6), chat=False, model=node.node.model_name)
+        good = encode(asked, gen.REQUEST_TYPES)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             for headers in ({}, {TUNNEL_HEADER: "not-the-token"}):
                 assert (await _generate(http, node.url, good, headers))[0] == 404
             vocab = node.node.scheduler.tokenizer.vocab_size
+
+            def changed(**fields) -> bytes:
+                return encode(dataclasses.replace(asked, request=dataclasses.replace(asked.request, **fields)),
+                              gen.REQUEST_TYPES)
+
             bad = {
                 "malformed request frame": encode(gen.End(), gen.OUTPUT_TYPES),
-                "token ids of this model": encode(gen.Generate(0, body, (gen.History((vocab,)),), resumed=1),
+                "token ids of this model": encode(dataclasses.replace(asked, resume=(gen.History((vocab,)),)),
                                                   gen.REQUEST_TYPES),
-                "malformed JSON": encode(gen.Generate(0, b"{not json"), gen.REQUEST_TYPES),
-                "must be true or false": encode(gen.Generate(0, json.dumps(greedy(stream="yes")).encode()),
-                                                gen.REQUEST_TYPES),
+                "n must be >= 1": changed(n=0),
+                "temperature must be within": changed(temperature=7.0),
+                "needs a role": changed(chat=1, prompts=(), messages=(gen.Turn("root", "hi"),)),
             }
             for why, data in bad.items():
                 status, frames = await _generate(http, node.url, data, mark)

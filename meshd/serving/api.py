@@ -21,7 +21,8 @@ from meshd.control.tunnel import ENTRY_HEADER, FRAMES_TYPE, GENERATE, TUNNEL_HEA
 from meshd.errors import KNOWN_ERRORS, BadRequest, InvalidParams, NoCapacity, ProtocolError, StorageFull, SupernodeChanged
 from meshd.serving import dashboard, generation
 from meshd.serving.daemon import NODE, REQUEST_ID, TRACE, Daemon
-from meshd.serving.guards import CLIENT_KEY, bearer_key, check_prompt_size, client_id, control_guard, parse_json
+from meshd.serving.guards import (CLIENT_KEY, bearer_key, check_prompt_size, client_id, control_guard, parse_json,
+                                  prompt_chars)
 from meshd.serving.metrics import CLIENT_CLOSED, CLIENT_GONE
 from meshd.serving.observe import Observe
 from meshd.serving.edge import Edge
@@ -34,7 +35,9 @@ from meshd.serving.openai import (
     completion_id,
     error_json,
     find_surrogate,
-    parse_request,
+    prepare,
+    read_request,
+    request_chars,
     tokenize_chat,
     sse,
 )
@@ -244,10 +247,14 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
         raise SupernodeChanged("this peer is shutting down; send the request to another peer")
     body = await read_json(request)
     client = request[CLIENT_KEY] = client_id(request, False, _bearer(request))
+    # Read and checked here, at the edge (building a response_format's grammar takes a
+    # moment: off the loop); tokenized where the tokenizer is, the supernode.
+    msg = await asyncio.get_running_loop().run_in_executor(_tokenize_pool(), functools.partial(
+        read_request, body, chat=chat, model=node.model_name))
     if not node.view.is_supernode:
         trace.proxied, trace.supernode = True, node.view.supernode  # its timeline is the supernode's
-        return await proxy_completion(node, request, body, chat)
-    req, tokenizer = await _prepared(node, body, chat)
+        return await proxy_completion(node, request, msg)
+    req, tokenizer = await _prepared(node, msg)
     if req.stream and node.pipeline.plan is None:  # fail before the 200 goes out when the mesh cannot serve
         raise NoCapacity(node.uplink.unavailable_reason())
     cid = completion_id(req.chat)
@@ -255,27 +262,22 @@ async def _complete_traced(request: web.Request, chat: bool, trace) -> web.Strea
         # Counted from here to the last byte, so that a stop waits for it also between its
         # sessions ending here (the lead handed on) and its relay to the next supernode.
         with node.relaying():
-            return await _answer(request, node, req, sessions, tokenizer, body, cid)
+            return await _answer(request, node, req, sessions, tokenizer, msg, cid)
 
 
-async def _prepared(node: Daemon, body, chat: bool,
-                    resume: gen.Generate | None = None) -> tuple[CompletionRequest, MeshTokenizer]:
-    """The request read with the supernode's tokenizer (``resume``: a resubmission's typed
-    history, which stands in for the body's meshd_resume)."""
+async def _prepared(node: Daemon, msg: gen.Generate) -> tuple[CompletionRequest, MeshTokenizer]:
+    """The request made ready to run with the supernode's tokenizer, context and template."""
     engine_ready = await node.serving_parts_soon()
     if engine_ready is None:
         raise NoCapacity(node.uplink.unavailable_reason())
     tokenizer, context = engine_ready
-    check_prompt_size(body, context, tokenizer.max_token_chars)
-    history = None
-    if resume is not None and resume.resumed:
-        history = (tuple(h.token_ids for h in resume.resume), tuple(resume.finished))
+    check_prompt_size(request_chars(msg.request), "messages" if msg.request.chat else "prompt", context,
+                      tokenizer.max_token_chars)
     # Tokenizing (and rendering a chat template) takes a while on a long prompt: on a
     # thread of its own, so heartbeats and other requests go on meanwhile.
     req = await asyncio.get_running_loop().run_in_executor(_tokenize_pool(), functools.partial(
-        parse_request, body, chat=chat, model=node.model_name, tokenizer=tokenizer, context=context,
-        max_tokens_limit=node.config.max_tokens_limit, history=history,
-    ))
+        prepare, msg, model=node.model_name, tokenizer=tokenizer, context=context,
+        max_tokens_limit=node.config.max_tokens_limit))
     if req.params.grammar is not None or req.params.logprobs is not None:
         await asyncio.to_thread(grammar.grammar_tokenizer, tokenizer)  # built once (~1 s), off the loop
     return req, tokenizer
@@ -317,7 +319,7 @@ def _hands_on(node: Daemon, failure: BaseException | None) -> bool:
 
 
 async def _answer(request: web.Request, node: Daemon, req: CompletionRequest, sessions: dict, tokenizer,
-                  body: dict, cid: str) -> web.StreamResponse:
+                  msg: gen.Generate, cid: str) -> web.StreamResponse:
     """This supernode's own client's answer: the generation's frames through the edge, as
     a stream or one body."""
     edge = Edge(req.chat, cid)
@@ -358,7 +360,7 @@ async def _answer(request: web.Request, node: Daemon, req: CompletionRequest, se
         failure = exc
     if _hands_on(node, failure):
         log.info("session_handed_on", tokens=len(edge.first_ids), choices=len(sessions), reason=str(failure))
-        return await proxy_completion(node, request, body, req.chat, Handoff(edge, resp))
+        return await proxy_completion(node, request, msg, Handoff(edge, resp))
     if resp is None:
         if failure is not None:
             raise failure
@@ -395,7 +397,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except ProtocolError as exc:
         await emit(gen.Failure(gen.Act.FAIL, 400, f"malformed request frame: {exc}"))
         return resp
-    chat = bool(msg.chat)
+    chat = bool(msg.request.chat)
     trace = node.traces.begin(request[REQUEST_ID], request[TRACE], CHAT_PATH if chat else COMPLETIONS_PATH,
                               request.headers.get(ENTRY_HEADER))
     status = 200
@@ -404,7 +406,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             raise SupernodeChanged(f"this peer is not the supernode (it follows {node.view.supernode})"
                                    if not node.view.is_supernode else "this peer is shutting down")
         client = request[CLIENT_KEY] = client_id(request, True, _bearer(request))
-        req, tokenizer = await _prepared(node, parse_json(msg.body), chat, msg)
+        req, tokenizer = await _prepared(node, msg)
         async with _opened(node, req, client, completion_id(chat), trace) as sessions:
             with node.relaying():
                 await generation.run(node.scheduler, node.metrics.observe, req, sessions, tokenizer, emit)
@@ -503,7 +505,8 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(given, list) or not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in given):
             raise BadRequest("tokens must be a list of token ids of this model", param="tokens")
         return web.json_response({"prompt": await run(tokenizer.decode, given)})
-    check_prompt_size(body, context, tokenizer.max_token_chars)
+    check_prompt_size(prompt_chars(body), "messages" if "messages" in body else "prompt", context,
+                      tokenizer.max_token_chars)
     if isinstance(body.get("prompt"), str):
         special = body.get("add_special_tokens", True) is not False
         ids = await run(tokenizer.encode, body["prompt"], special)

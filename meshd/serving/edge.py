@@ -8,6 +8,7 @@ Nothing else in meshd writes OpenAI's completion shapes, and nothing here reads 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,13 @@ class Edge:
         ``whole``: the client has all of it (meshd_finished)."""
         self.choices[index] = _Choice(list(ids), own=len(ids), given=whole)
 
+    def seed_from(self, msg: gen.Generate) -> None:
+        """The client's own history, as its request carries it."""
+        for i, h in enumerate(msg.resume):
+            self.seed(i, list(h.token_ids), whole=i in msg.finished)
+        for i in set(msg.finished) - set(self.choices):
+            self.seed(i, [], whole=True)
+
     def tokens(self) -> int:
         """Tokens every choice has (the client's own meshd_resume included)."""
         return sum(len(c.ids) for c in self.choices.values())
@@ -63,18 +71,18 @@ class Edge:
     def finished(self) -> bool:
         return bool(self.choices) and all(c.given or c.finish is not gen.Finish.NONE for c in self.choices.values())
 
-    def request(self, chat: bool, body: bytes) -> gen.Generate:
+    def request(self, first: gen.Generate) -> gen.Generate:
         """The request that goes on where this answer stopped: each choice's history, and
         the choices already whole (which the next supernode does not run again)."""
         if not self.choices:
-            return gen.Generate(int(chat), body)
+            return first
         last = max(self.choices)
         resume = tuple(gen.History(tuple(self.choices[i].ids) if i in self.choices else ()) for i in range(last + 1))
         done = tuple(sorted(i for i, c in self.choices.items() if c.given or c.finish is not gen.Finish.NONE))
         # counted as the supernode counts a choice it runs (its tokens so far too); one the
         # client sent as whole is not counted, as a supernode it went to straight would not
         self.skipped_tokens = sum(len(self.choices[i].ids) for i in done if not self.choices[i].given)
-        return gen.Generate(int(chat), body, resume, done, resumed=1)
+        return dataclasses.replace(first, resume=resume, finished=done)
 
     # -- frames in, OpenAI out -------------------------------------------------------
 

@@ -90,13 +90,12 @@ def prompt_chars(body: object) -> int:
     return total
 
 
-def check_prompt_size(body: object, context: int, max_token_chars: int) -> None:
-    """A prompt longer than ``context`` tokens of the longest token the vocabulary has
-    cannot fit, whatever it tokenizes to: refused before the tokenizer sees it (a 1 MiB
-    prompt took seconds of tokenizing)."""
+def check_prompt_size(n: int, param: str, context: int, max_token_chars: int) -> None:
+    """A prompt of ``n`` characters longer than ``context`` tokens of the longest token the
+    vocabulary has cannot fit, whatever it tokenizes to: refused before the tokenizer sees
+    it (a 1 MiB prompt took seconds of tokenizing)."""
     limit = context * max_token_chars
-    if (n := prompt_chars(body)) > limit:
-        param = "messages" if isinstance(body, dict) and "messages" in body else "prompt"
+    if n > limit:
         raise BadRequest(f"the prompt has {n} characters; the context window of {context} tokens "
                          f"holds at most {limit}", param=param)
 

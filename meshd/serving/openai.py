@@ -1,8 +1,9 @@
-"""The OpenAI-compatible request and response shapes: validation of what a client
-sends (``parse_request``, on the supernode, with its tokenizer), the JSON objects we
-send back and their server-sent-event framing (``error_json``, ``sse``). Only the HTTP
-edge uses the response shapes (``meshd.serving.edge``): inside the mesh a completion's
-answer is typed frames (``protocol.generate``)."""
+"""The OpenAI-compatible request and response shapes: a client's request read and
+checked at the edge of the peer it came to (``read_request``: every field that needs no
+tokenizer) into the mesh's typed ``protocol.generate.Request``, made ready on the
+supernode (``prepare``: checked again, and against its tokenizer, context and chat
+template; tokenized); the JSON objects we send back and their server-sent-event framing
+(``error_json``, ``sse``), which only the HTTP edge uses (``meshd.serving.edge``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from shards import grammar
 from shards.chat_templates import BUILTIN
 from shards.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from shards.template_sandbox import TemplateLimit, WorkerUnavailable
+from protocol import generate as gen
 from shards.tokenizer import MeshTokenizer
 
 MAX_CHOICES = 8
@@ -250,15 +252,17 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _tools(body: dict, template) -> ToolSpec | None:
+def _tool_defs(body: dict) -> tuple[tuple[gen.Tool, ...], str, str, bool]:
+    """A chat's tools, its tool_choice ("": no tools), the function it names, and whether
+    calls may be parallel."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise BadRequest("tool_choice needs tools", param="tool_choice")
-        return None
+        return (), "", "", False
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise BadRequest(f"tools must be a list of at most {MAX_TOOLS} functions", param="tools")
-    clean: list[dict[str, Any]] = []
+    clean: list[gen.Tool] = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -269,11 +273,11 @@ def _tools(body: dict, template) -> ToolSpec | None:
         if params is not None and not isinstance(params, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
                              param=f"tools[{i}].function.parameters")
-        entry = {"name": fn["name"], "description": fn.get("description") or "",
-                 "parameters": params or {"type": "object", "properties": {}}}
-        clean.append({"type": "function", "function": entry})
-    names = [t["function"]["name"] for t in clean]
-    name = None
+        description = fn.get("description") or ""
+        clean.append(gen.Tool(fn["name"], description if isinstance(description, str) else str(description),
+                              json.dumps(params or {"type": "object", "properties": {}})))
+    names = [t.name for t in clean]
+    name = ""
     if choice is None:
         choice = "auto"
     elif isinstance(choice, dict):
@@ -287,21 +291,50 @@ def _tools(body: dict, template) -> ToolSpec | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise BadRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    return tuple(clean), choice, name, parallel is True
+
+
+def _tools(req: gen.Request, template) -> ToolSpec | None:
+    """The request's tools as the chat template and the call parser take them (in the
+    template's tool-call format). Checked again here: they may come from a peer."""
+    if not req.tool_choice:
+        if req.tools:
+            raise BadRequest("tools without a tool_choice", param="tools")
+        return None
+    if len(req.tools) > MAX_TOOLS or not all(t.name for t in req.tools):
+        raise BadRequest(f"tools must be at most {MAX_TOOLS} named functions", param="tools")
+    names = [t.name for t in req.tools]
+    if req.tool_choice not in ("none", "auto", "required", "function") or \
+            (req.tool_choice == "function") != (req.tool_name in names):
+        raise BadRequest(f"tool_choice must name one of the tools: {names}", param="tool_choice")
+    clean = []
+    for i, t in enumerate(req.tools):
+        try:
+            params = json.loads(t.parameters)
+        except (ValueError, RecursionError):
+            params = None
+        if not isinstance(params, dict):
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                             param=f"tools[{i}].function.parameters")
+        clean.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": params}})
     # A forced call is one call unless several are asked for outright: a small model let
     # free after its call tends to call again until max_tokens.
-    return ToolSpec(tuple(clean), choice, name, parallel is True, toolcalls.tool_format(template.source))
+    return ToolSpec(tuple(clean), req.tool_choice, req.tool_name or None, bool(req.parallel_tools),
+                    toolcalls.tool_format(template.source))
 
 
-def _response_format(body: dict) -> str | None:
-    """The grammar a response_format asks for (None: free text)."""
+def _response_format(body: dict) -> tuple[str, str]:
+    """What a response_format asks for ("": free text; json_object; json_schema) and its
+    schema as JSON text; the grammar is built here to check it (and again where it runs)."""
     rf = body.get("response_format")
     if rf is None:
-        return None
+        return "", ""
     kind = rf.get("type") if isinstance(rf, dict) else None
     if kind == "text":
-        return None
+        return "", ""
     if kind == "json_object":
-        return grammar.json_schema_grammar({"type": "object"}, "response_format")
+        return kind, ""
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
@@ -309,13 +342,35 @@ def _response_format(body: dict) -> str | None:
         schema = spec.get("schema", {})
         if not isinstance(schema, (dict, bool)):
             raise BadRequest("response_format.json_schema.schema must be an object", param="response_format.json_schema")
-        grammar.check_patterns(schema, "response_format")
-        return grammar.json_schema_grammar(schema, "response_format")
+        _format_grammar(kind, schema)
+        return kind, json.dumps(schema)
     raise BadRequest(f"response_format.type {kind!r} is not implemented: text, json_object or json_schema",
                      param="response_format.type")
 
 
-def _check_fits(body: dict, tools: ToolSpec | None, max_tokens: int, max_token_chars: int, key: str) -> None:
+def _format_grammar(kind: str, schema: Any) -> str | None:
+    """The grammar of a response format (None: free text)."""
+    if kind == "json_object":
+        return grammar.json_schema_grammar({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        grammar.check_patterns(schema, "response_format")
+        return grammar.json_schema_grammar(schema, "response_format")
+    if kind:
+        raise BadRequest(f"response_format.type {kind!r} is not implemented: text, json_object or json_schema",
+                         param="response_format.type")
+    return None
+
+
+def _schema(req: gen.Request) -> Any:
+    if not req.schema:
+        return {}
+    try:
+        return json.loads(req.schema)
+    except (ValueError, RecursionError):
+        raise BadRequest("response_format.json_schema.schema is not JSON", param="response_format") from None
+
+
+def _check_fits(req: gen.Request, tools: ToolSpec | None, max_tokens: int, max_token_chars: int, key: str) -> None:
     """A schema (of the response, or of a forced tool call) whose shortest answer max_tokens
     cannot hold is a 400, not a generation that runs to max_tokens and ends unfinished
     (``minItems: 1000000000`` cost a minute of CPU)."""
@@ -324,12 +379,11 @@ def _check_fits(body: dict, tools: ToolSpec | None, max_tokens: int, max_token_c
                   if tools.choice == "required" or t["function"]["name"] == tools.name]
         grammar.check_fits({"anyOf": chosen}, "tools", max_tokens, max_token_chars, key)
         return
-    spec = body.get("response_format", {}).get("json_schema")
-    if isinstance(spec, dict):
-        grammar.check_fits(spec.get("schema", {}), "response_format", max_tokens, max_token_chars, key)
+    if req.response_format == "json_schema":
+        grammar.check_fits(_schema(req), "response_format", max_tokens, max_token_chars, key)
 
 
-def _prompts(body: dict, tokenizer: MeshTokenizer) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+def _prompt_specs(body: dict) -> tuple[gen.Prompt, ...]:
     """A completion's prompts: a string, a list of strings, token ids, or lists of token ids."""
     prompt = body.get("prompt")
     need = "prompt is required: a string, a list of strings, a list of token ids or a list of such lists"
@@ -341,22 +395,39 @@ def _prompts(body: dict, tokenizer: MeshTokenizer) -> tuple[tuple[tuple[int, ...
         raise BadRequest(need, param="prompt")
     if len(prompt) > MAX_PROMPTS:
         raise BadRequest(f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
-    out, texts = [], []
+    out = []
     for p in prompt:
         if isinstance(p, str) and p:
-            out.append(tuple(tokenizer.encode_prompt(p)))  # with BOS where the model wants one
-            texts.append(p)
+            out.append(gen.Prompt(text=p))
         elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            if not all(0 <= t < tokenizer.vocab_size for t in p):
-                raise BadRequest(f"prompt token ids must be within [0, {tokenizer.vocab_size})", param="prompt")
-            out.append(tuple(p))
-            texts.append(tokenizer.decode(p, skip_special=True))
+            if not all(0 <= t < 2**31 for t in p):
+                raise BadRequest("prompt token ids must be token ids of this model", param="prompt")
+            out.append(gen.Prompt(ids=tuple(p), given_ids=1))
         else:
             raise BadRequest(need, param="prompt")
+    return tuple(out)
+
+
+def _prompts(req: gen.Request, tokenizer: MeshTokenizer) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+    """The prompts' token ids (a text's with BOS where the model wants one) and texts (for echo)."""
+    if not req.prompts or len(req.prompts) > MAX_PROMPTS:
+        raise BadRequest(f"prompt is required: at most {MAX_PROMPTS} prompts", param="prompt")
+    out, texts = [], []
+    for p in req.prompts:
+        if p.given_ids:
+            if not p.ids or not all(0 <= t < tokenizer.vocab_size for t in p.ids):
+                raise BadRequest(f"prompt token ids must be within [0, {tokenizer.vocab_size})", param="prompt")
+            out.append(p.ids)
+            texts.append(tokenizer.decode(list(p.ids), skip_special=True))
+        elif p.text:
+            out.append(tuple(tokenizer.encode_prompt(p.text)))
+            texts.append(p.text)
+        else:
+            raise BadRequest("a prompt is empty", param="prompt")
     return tuple(out), tuple(texts)
 
 
-def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(body: dict) -> tuple[gen.Bias, ...]:
     bias = body.get("logit_bias")
     if bias is None:
         return ()
@@ -365,11 +436,11 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in bias.items():
         # ASCII digits only: "²".isdigit(), and int() refuses it (and past 4300 digits)
-        if not (key.isascii() and key.isdigit()) or len(key) > 9 or not 0 <= int(key) < vocab:
+        if not (key.isascii() and key.isdigit()) or len(key) > 9:
             raise BadRequest(f"logit_bias key {key!r} is not a token id of this model", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise BadRequest("logit_bias values must be numbers within [-100, 100]", param="logit_bias")
-        out.append((int(key), float(value)))
+        out.append(gen.Bias(int(key), float(value)))
     return tuple(out)
 
 
@@ -386,13 +457,32 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return int(_number(body, "logprobs", 0, 0, MAX_LOGPROBS_COMPLETIONS, integer=True))
 
 
-def parse_request(
-    body: Any, *, chat: bool, model: str, tokenizer: MeshTokenizer, context: int, max_tokens_limit: int,
-    history: tuple[tuple[tuple[int, ...], ...], tuple[int, ...]] | None = None,
-) -> CompletionRequest:
-    """The client's request, validated and tokenized. ``history``: an entry peer's
-    resubmission (each choice's tokens so far, the choices already whole), which stands in
-    for the body's own ``meshd_resume`` / ``meshd_finished``."""
+_INT64 = 2**63
+
+
+def _integer(body: dict, key: str, default: int) -> int:
+    """An integer field whose bounds only the supernode knows (the context, the vocabulary):
+    its type here, its range there. One past 64 bits travels as the largest (its range check
+    then refuses it)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer", param=key)
+    return max(-_INT64, min(_INT64 - 1, value))
+
+
+def _in_range(value: int, key: str, lo: int, hi: int) -> int:
+    if not lo <= value <= hi:
+        raise BadRequest(f"{key} must be >= {lo} and <= {hi}, got {value}", param=key)
+    return value
+
+
+def read_request(body: Any, *, chat: bool, model: str) -> gen.Generate:
+    """A client's completion as the mesh carries it: every field the API implements read
+    and checked here, at the edge of the peer the client came to, in all that needs no
+    tokenizer; ``prepare`` on the supernode does the rest. ``model``: the one this peer
+    serves. The client's own ``meshd_resume`` / ``meshd_finished`` become the typed history."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     bad = find_surrogate(body)
@@ -403,15 +493,82 @@ def parse_request(
     if asked is not None and asked != model:
         raise BadRequest(f"model {asked!r} is not served here; this mesh serves {model!r}", status=404, param="model")
     stream = _flag(body, "stream")
+    messages: tuple[gen.Turn, ...] = ()
+    prompts: tuple[gen.Prompt, ...] = ()
+    tools: tuple[gen.Tool, ...] = ()
+    choice, name, parallel, response_format, schema = "", "", False, "", ""
+    if chat:
+        messages = tuple(_turn(m) for m in _chat_messages(body))
+        tools, choice, name, parallel = _tool_defs(body)
+        response_format, schema = _response_format(body)
+        if choice not in ("", "none") and response_format:
+            raise BadRequest("response_format with tools is not implemented: use one or the other",
+                             param="response_format")
+        if choice in ("required", "function"):
+            grammar.check_patterns([json.loads(t.parameters) for t in tools if choice == "required" or t.name == name],
+                                   "tools")
+    else:
+        prompts = _prompt_specs(body)
+        if body.get("suffix") not in (None, ""):
+            raise BadRequest("suffix is not implemented by meshd", param="suffix")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    if not chat and body.get("best_of") not in (None, n):
+        raise BadRequest("best_of is not implemented by meshd (only best_of = n)", param="best_of")
+    choices = (1 if chat else len(prompts)) * n
+    if choices > MAX_OUTPUTS:
+        raise BadRequest(f"prompts x n must be at most {MAX_OUTPUTS}", param="n")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    echo = not chat and _flag(body, "echo")
+    resume, finished = _resumes(body, choices)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("seed must be an integer", param="seed")
+    logprobs = _logprobs(body, chat)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise BadRequest("stream_options must be an object with include_usage", param="stream_options")
+    priority = body.get("meshd_priority", "interactive")
+    if priority not in ("interactive", "batch"):
+        raise BadRequest('meshd_priority must be "interactive" or "batch"', param="meshd_priority")
+    request = gen.Request(
+        int(chat), asked or "", messages, prompts, tools, choice, name, int(parallel), response_format, schema,
+        n=n, stream=int(stream), echo=int(echo), include_usage=int(bool(options.get("include_usage")) and stream),
+        max_tokens=_integer(body, key, 0), max_tokens_given=int(body.get(key) is not None), max_tokens_key=key,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
+        top_k=_integer(body, "top_k", 0),
+        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
+        # any integer is a seed: one past 64 bits travels as its value modulo 2^64
+        seed=(seed + _INT64) % (2 * _INT64) - _INT64 if seed is not None else 0, seeded=int(seed is not None),
+        stop=_stops(body), logit_bias=_logit_bias(body), logprobs=logprobs or 0, logprobs_on=int(logprobs is not None),
+        min_tokens=_integer(body, "min_tokens", 0), ignore_eos=int(_flag(body, "ignore_eos")),
+        batch=int(priority == "batch"))
+    return gen.Generate(request, tuple(gen.History(ids) for ids in resume), tuple(sorted(finished)))
+
+
+def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context: int,
+            max_tokens_limit: int) -> CompletionRequest:
+    """A request read at an edge (this peer's, or a member's over the link), made ready to
+    run: its prompts tokenized (a chat through the template), and every value checked
+    that needs the supernode's tokenizer, context or template, or that a peer could have
+    sent out of bounds."""
+    req = msg.request
+    chat = bool(req.chat)
+    if req.model and req.model != model:
+        raise BadRequest(f"model {req.model!r} is not served here; this mesh serves {model!r}", status=404,
+                         param="model")
     tools = None
-    grammar_text = None
+    grammar_text: str | None = None
     texts: tuple[str, ...] = ()
     if chat:
         if not tokenizer.template.available:
             raise BadRequest(NO_TEMPLATE, code="chat_template_missing")
-        messages = _chat_messages(body)
-        tools = _tools(body, tokenizer.template)
-        grammar_text = _response_format(body)
+        messages = _chat_messages({"messages": [_turn_dict(t) for t in req.messages]})  # as a client's are checked
+        tools = _tools(req, tokenizer.template)
+        grammar_text = _format_grammar(req.response_format, _schema(req))
         if tools is not None and grammar_text is not None and tools.choice != "none":
             raise BadRequest("response_format with tools is not implemented: use one or the other",
                              param="response_format")
@@ -428,25 +585,24 @@ def parse_request(
             grammar.check_grammar(grammar_text, "tools" if tools is not None else "response_format", tokenizer)
         prompts: tuple[tuple[int, ...], ...] = (tuple(_chat_ids(tokenizer, messages, tools, context)),)
     else:
-        prompts, texts = _prompts(body, tokenizer)
-        if body.get("suffix") not in (None, ""):
-            raise BadRequest("suffix is not implemented by meshd", param="suffix")
-    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-    if not chat and body.get("best_of") not in (None, n):
-        raise BadRequest("best_of is not implemented by meshd (only best_of = n)", param="best_of")
+        if req.response_format or req.tools:
+            raise BadRequest("a completion takes no grammar or tools", param="prompt")
+        prompts, texts = _prompts(req, tokenizer)
+    n = _in_range(req.n, "n", 1, MAX_CHOICES)
     if len(prompts) * n > MAX_OUTPUTS:
         raise BadRequest(f"prompts x n must be at most {MAX_OUTPUTS}", param="n")
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    given = body.get(key) is not None
+    key = req.max_tokens_key if req.max_tokens_key in ("max_tokens", "max_completion_tokens") else "max_tokens"
+    given = bool(req.max_tokens_given)
     longest = max(len(p) for p in prompts)
     where = "messages" if chat else "prompt"
     if longest >= context:
         raise BadRequest(f"this model's context is {context} tokens; the {where} has {longest}",
                          param=where, code="context_length_exceeded")
-    echo = not chat and _flag(body, "echo")
+    echo = not chat and bool(req.echo)
     # 0 with echo: the prompt alone (with its logprobs where asked), as OpenAI's legacy
     # completions and vLLM answer it
-    max_tokens = _number(body, key, context - longest, 0 if echo else 1, max(max_tokens_limit, context), integer=True)
+    max_tokens = _in_range(req.max_tokens if given else context - longest, key, 0 if echo else 1,
+                           max(max_tokens_limit, context))
     if given and max_tokens > max_tokens_limit:
         raise BadRequest(f"{key} must be <= {max_tokens_limit}, got {max_tokens}", param=key)
     if longest + max_tokens > context:
@@ -454,55 +610,86 @@ def parse_request(
             f"this model's context is {context} tokens; the {where} has {longest} and {key} asks {max_tokens} more",
             param=key, code="context_length_exceeded")
     if grammar_text is not None:
-        _check_fits(body, tools, max_tokens, tokenizer.max_token_chars, key)
-    if history is None:
-        resumes, finished = _resumes(body, len(prompts) * n, tokenizer.vocab_size)
-    else:
-        resumes, finished = _history(*history, len(prompts) * n, tokenizer.vocab_size)
+        _check_fits(req, tools, max_tokens, tokenizer.max_token_chars, key)
+    resumes, finished = _history(tuple(h.token_ids for h in msg.resume), msg.finished, len(prompts) * n,
+                                 tokenizer.vocab_size)
     resume = any(resumes) or finished
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("seed must be an integer", param="seed")
-    logprobs = _logprobs(body, chat)
-    min_tokens = _number(body, "min_tokens", 0, 0, context, integer=True)
+    limit = MAX_TOP_LOGPROBS if chat else MAX_LOGPROBS_COMPLETIONS
+    logprobs = _in_range(req.logprobs, "top_logprobs" if chat else "logprobs", 0, limit) if req.logprobs_on else None
+    min_tokens = _in_range(req.min_tokens, "min_tokens", 0, context)
     if min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({min_tokens}) must not exceed {key} ({max_tokens})", param="min_tokens")
+    if len(req.stop) > MAX_STOPS or not all(req.stop):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOPS}", param="stop")
+    if len(req.logit_bias) > 1024 or not all(0 <= b.token < tokenizer.vocab_size and -100 <= b.value <= 100
+                                              for b in req.logit_bias):
+        bad = next((b.token for b in req.logit_bias if not 0 <= b.token < tokenizer.vocab_size), None)
+        raise BadRequest(f"logit_bias key {str(bad)!r} is not a token id of this model" if bad is not None else
+                         "logit_bias must hold at most 1024 token ids, values within [-100, 100]", param="logit_bias")
+    _check_floats(req)
     params = SamplingParams(
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-        seed=seed,
-        max_tokens=max_tokens,
-        stop=_stops(body),
-        top_k=max(0, int(_number(body, "top_k", 0, -1, tokenizer.vocab_size, integer=True))),  # -1: off (vLLM's)
-        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
-        logit_bias=_logit_bias(body, tokenizer.vocab_size),
+        temperature=req.temperature, top_p=req.top_p, seed=req.seed if req.seeded else None, max_tokens=max_tokens,
+        stop=req.stop,
+        top_k=max(0, _in_range(req.top_k, "top_k", -1, tokenizer.vocab_size)),  # -1: off (vLLM's)
+        min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=tuple((b.token, b.value) for b in req.logit_bias),
         logprobs=logprobs,
         grammar=grammar_text,
         min_tokens=min_tokens,
-        ignore_eos=_flag(body, "ignore_eos"),
+        ignore_eos=bool(req.ignore_eos),
         # a resubmission's client has its echo (and the prompt's logprobs) already
         prompt_logprobs=logprobs if echo and not resume else None,
-    )
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-        raise BadRequest("stream_options must be an object with include_usage", param="stream_options")
-    include_usage = bool(options.get("include_usage")) and stream
-    priority = body.get("meshd_priority", "interactive")
-    if priority not in ("interactive", "batch"):
-        raise BadRequest('meshd_priority must be "interactive" or "batch"', param="meshd_priority")
-    return CompletionRequest(chat, model, prompts, params, n, stream, resumes, finished, include_usage, echo,
-                             given, context, tools, texts, Priority[priority.upper()])
+    )  # (its own checks: the float fields' ranges, as a peer could send them out of bounds)
+    return CompletionRequest(chat, model, prompts, params, n, bool(req.stream), resumes, finished,
+                             bool(req.include_usage) and bool(req.stream), echo, given, context, tools, texts,
+                             Priority.BATCH if req.batch else Priority.INTERACTIVE)
 
 
-def _resumes(body: dict, choices: int, vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
-    """meshd's resubmission fields (an entry peer's, after a supernode change): ``meshd_resume``,
-    the tokens each choice already has (one list of ids for a single choice, or one list per
-    choice), and ``meshd_finished``, the choices already whole, which are not run again."""
+def _check_floats(req: gen.Request) -> None:
+    """The sampling numbers within what the API takes (as ``read_request`` holds a client's
+    to them; a peer could send others)."""
+    for key, value, lo, hi in (("temperature", req.temperature, 0.0, 2.0), ("top_p", req.top_p, 0.0, 1.0),
+                               ("min_p", req.min_p, 0.0, 1.0), ("presence_penalty", req.presence_penalty, -2.0, 2.0),
+                               ("frequency_penalty", req.frequency_penalty, -2.0, 2.0),
+                               ("repetition_penalty", req.repetition_penalty, 0.0, 10.0)):
+        if not lo <= value <= hi or (key in ("top_p", "repetition_penalty") and value == lo):
+            raise BadRequest(f"{key} must be within [{lo}, {hi}], got {value}", param=key)
+
+
+def request_chars(req: gen.Request) -> int:
+    """Characters of the text a request has tokenized (``guards.prompt_chars`` of its body)."""
+    return sum(len(p.text) for p in req.prompts) + sum(len(t.content) for t in req.messages)
+
+
+def _turn(m: dict) -> gen.Turn:
+    """A checked chat message (``_chat_messages``) as the mesh carries it."""
+    calls = m.get("tool_calls")
+    return gen.Turn(m["role"], m["content"] or "", int(m["content"] is None), m.get("name", ""), int("name" in m),
+                    tuple(gen.Call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls or ()),
+                    int(calls is not None), m.get("tool_call_id", ""))
+
+
+def _turn_dict(t: gen.Turn) -> dict:
+    """A carried chat message as a client would have sent it (checked again as one)."""
+    m: dict[str, Any] = {"role": t.role, "content": None if t.no_content else t.content}
+    if t.named:
+        m["name"] = t.name
+    if t.calls:
+        m["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in t.tool_calls]
+    if t.role == "tool":
+        m["tool_call_id"] = t.tool_call_id
+    return m
+
+
+def _resumes(body: dict, choices: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
+    """meshd's resumption fields, a client's own: ``meshd_resume``, the tokens each choice
+    already has (one list of ids for a single choice, or one list per choice), and
+    ``meshd_finished``, the choices already whole, which are not run again. Their ids are
+    checked against the vocabulary on the supernode (``_history``)."""
     def ids(v: object) -> bool:
-        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
                                            for t in v)
 
     raw = body.get("meshd_resume") or []
@@ -523,15 +710,15 @@ def _resumes(body: dict, choices: int, vocab_size: int) -> tuple[tuple[tuple[int
 
 def _history(resume: tuple[tuple[int, ...], ...], finished: tuple[int, ...], choices: int,
              vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
-    """A resubmission's typed history, checked against this request as ``_resumes`` checks
-    a client's: at most one history per choice, token ids of this model, and the choices
-    already whole distinct, leaving one to run."""
+    """Each choice's tokens so far and the choices already whole (the client's own, or a
+    resubmission's): at most one history per choice, token ids of this model, and the
+    choices already whole distinct, leaving one to run."""
     if len(resume) > choices or not all(0 <= t < vocab_size for ids in resume for t in ids):
-        raise BadRequest(f"a resubmission's history must be token ids of this model, at most one list for each "
-                         f"of the {choices} choices", param="meshd_resume")
+        raise BadRequest(f"meshd_resume must hold token ids of this model (below {vocab_size}), at most one list "
+                         f"for each of the {choices} choices", param="meshd_resume")
     if len(set(finished)) != len(finished) or len(finished) >= choices or not all(i < choices for i in finished):
-        raise BadRequest(f"a resubmission's finished choices must be distinct indices below {choices}, leaving one "
-                         "to run", param="meshd_finished")
+        raise BadRequest(f"meshd_finished must list distinct choice indices below {choices}, leaving one to run",
+                         param="meshd_finished")
     return (resume if any(resume) else ()), frozenset(finished)
 
 

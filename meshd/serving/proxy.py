@@ -30,7 +30,7 @@ from meshd.errors import NoCapacity, ProtocolError
 from meshd.serving.daemon import REQUEST_ID, TRACE, Upstream
 from meshd.serving.edge import Edge
 from meshd.serving.guards import CLIENT_KEY
-from meshd.serving.openai import DONE, MAX_OUTPUTS, SSE_HEADERS, MeshCode, completion_id, error_json, sse
+from meshd.serving.openai import DONE, SSE_HEADERS, MeshCode, completion_id, error_json, sse
 from protocol import generate as gen
 from protocol.codec import decode_of, encode
 
@@ -81,12 +81,10 @@ def _error_of(data: object) -> tuple[str, MeshCode | None]:
 class _Client:
     """The client's side: its response once streaming began, and what it asked for."""
 
-    def __init__(self, request: web.Request, body: object, resp: web.StreamResponse | None):
+    def __init__(self, request: web.Request, asked: gen.Request, resp: web.StreamResponse | None):
         self.request = request
-        asked = body if isinstance(body, dict) else {}
-        self.stream = asked.get("stream") is True
-        options = asked.get("stream_options")
-        self.usage = bool(isinstance(options, dict) and options.get("include_usage")) if self.stream else True
+        self.stream = bool(asked.stream)
+        self.usage = bool(asked.include_usage) if self.stream else True
         self.resp = resp
 
     async def prepared(self) -> web.StreamResponse:
@@ -105,15 +103,15 @@ class _Client:
         return resp
 
 
-async def proxy_completion(node: Upstream, request: web.Request, body, chat: bool,
+async def proxy_completion(node: Upstream, request: web.Request, msg: gen.Generate,
                            handoff: Handoff | None = None) -> web.StreamResponse:
     """Relay a completion to the supernode (resubmitting it where one is lost or yields),
     and its answer to the client. A peer that stops waits for the relays it runs, up to its
     drain deadline (``ending``): one still open then ends with an error event and [DONE]
     (a 503 before the answer began), never a stream cut off without either."""
-    client = _Client(request, body, handoff.resp if handoff else None)
+    client = _Client(request, msg.request, handoff.resp if handoff else None)
     with node.relaying() as ending:
-        work = asyncio.ensure_future(_proxy_completion(node, client, body, chat, handoff))
+        work = asyncio.ensure_future(_proxy_completion(node, client, msg, handoff))
         stop = asyncio.ensure_future(ending.wait())
         try:
             await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
@@ -133,17 +131,17 @@ async def proxy_completion(node: Upstream, request: web.Request, body, chat: boo
         return await client.end(error_json(why, 503))
 
 
-async def _proxy_completion(node: Upstream, client: _Client, body: object, chat: bool,
+async def _proxy_completion(node: Upstream, client: _Client, first: gen.Generate,
                             handoff: Handoff | None) -> web.StreamResponse:
+    chat = bool(first.request.chat)
     edge = handoff.edge if handoff else Edge(chat, completion_id(chat))
-    if handoff is None and isinstance(body, dict):
-        _seed(edge, body.get("meshd_resume"), body.get("meshd_finished"))
-    raw = _json(body)  # the client's request: the supernode reads it with its tokenizer
+    if handoff is None:
+        edge.seed_from(first)  # the client's own meshd_resume / meshd_finished
     resubmits = attempts = 0
     had = edge.tokens()
     while True:
         # The first attempt as the client sent it; each later one with every choice's history.
-        msg = edge.request(chat, raw) if attempts or handoff else gen.Generate(int(chat), raw)
+        msg = edge.request(first) if attempts or handoff else first
         mark = node.uplink.mark()
         try:
             refused = await _relay(node, msg, edge, client)
@@ -184,32 +182,6 @@ async def _proxy_completion(node: Upstream, client: _Client, body: object, chat:
             if client.resp is None:
                 raise
             return await client.end(error_json(f"the mesh cannot serve now: {exc}", 503))
-
-
-def _seed(edge: Edge, resume: object, finished: object) -> None:
-    """The client's own meshd_resume (one list of ids, or one per choice) and meshd_finished
-    (the choices it has whole): the supernode checks them; here they begin each choice's
-    history, so that a resubmission carries them on."""
-    lists: list = []
-    if isinstance(resume, list) and resume:
-        lists = resume if all(isinstance(v, list) for v in resume) else [resume]
-    whole = {i for i in finished if isinstance(i, int)} if isinstance(finished, list) else set()
-    for i, ids in enumerate(lists):
-        if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            edge.seed(i, ids, whole=i in whole)
-    for i in whole - set(edge.choices):
-        if 0 <= i < MAX_OUTPUTS:
-            edge.seed(i, [], whole=True)
-
-
-def _json(body: object) -> bytes:
-    """The client's body as compact JSON, its text as UTF-8 (escaped, it could grow six times
-    past the size the client was held to); escaped where it holds a lone surrogate, which
-    the supernode then refuses as it would the client's own."""
-    try:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _pieces(up: object) -> AsyncIterator[bytes]:
