@@ -10,8 +10,8 @@ The parts, and what each one owns:
 - ``follower`` (``control/follower.py``): this peer's side of a plan, and the forwards it serves.
 - ``store`` (``control/store.py``): the model's files and the engine of this peer's part.
 - ``uplink`` (``control/uplink.py``): the way to the supernode's API, and the waits of a failover.
-- ``pipeline``, ``scheduler`` (``serving/``): the supernode's requests; the HTTP side reads the
-  node through the Protocols of ``serving/daemon.py``.
+- ``pipeline``, ``scheduler``, ``served`` (``serving/``): the supernode's requests, and its parts of
+  the model that do not split; the HTTP side reads the node through the Protocols of ``serving/daemon.py``.
 
 Only entry points (``tools/cli.py``) import this module.
 """
@@ -42,7 +42,7 @@ from meshd.control.mesh import MeshView
 from meshd.control import tunnel
 from meshd.control.peers import CLOSE_PROTOCOL, Link, url_host
 from meshd.control.secure import LocalIdentity
-from meshd.control.store import STAGE_KV_SHARE, ModelStore, local_model, model_path
+from meshd.control.store import ModelStore, local_model
 from meshd.control.transfer import AUTH_HEADER, TokenCheck
 from meshd.control.uplink import Uplink
 from meshd.errors import (
@@ -58,17 +58,16 @@ from meshd.errors import (
 from meshd.hardware import detect_vram, memory_budget, pick_device, speed_probe, total_ram
 from meshd.serving import api, batchapi
 from meshd.serving.batch import BatchRunner
-from meshd.serving.drafter import DraftModel
 from meshd.serving.live import LiveFeed
 from meshd.serving.metrics import NodeMetrics
 from meshd.serving.openai import error_json
-from meshd.serving.pipeline import ActivePlan, Pipeline
-from meshd.serving.scheduler import Scheduler, kv_bytes_per_token
+from meshd.serving.pipeline import Pipeline
+from meshd.serving.scheduler import Scheduler
+from meshd.serving.served import ServedModel
 from meshd.serving.server import GuardedSite, raise_nofile_limit
 from meshd.serving.status import build_status
 from meshd.serving.traces import TraceStore
 from protocol.messages import (
-    NO_CHAT,
     PROTOCOL_VERSION,
     Accept,
     ApiCancel,
@@ -88,7 +87,6 @@ from protocol.messages import (
     Reject,
 )
 from shards.chat import ChatTemplate
-from shards import template_sandbox
 from shards.chat_templates import GivenTemplate, given_template
 from shards.engine import apart, measure_parts, use_threads
 from shards.fetch import list_models
@@ -98,7 +96,6 @@ from shards.tokenizer import MeshTokenizer
 log = structlog.get_logger()
 
 ABORT_GRACE_S = 1.0  # at the drain deadline, for the sessions ended then to tell their clients
-KV_SHARE = 0.25  # of a peer's memory budget, for KV caches when no budget is configured
 
 
 def load_node_id(state_dir: Path) -> NodeId:
@@ -174,12 +171,11 @@ class Node:
                                  node=self.node_id)
         self.scheduler = Scheduler(self.pipeline, None, on_finished=self.view.changes.pulse,
                                    prefix_entries=config.prefix_cache_entries, speculate=config.speculate)
-        self._drafter_for: str | None = None  # the manifest digest --draft-model was last loaded against
-        self._budget_model: Manifest | None = None  # the served model the KV budget is for (supernode)
-        self.pipeline.plan_listeners.append(self._plan_budget)
+        # The supernode's parts of the model that do not split: tokenizer, KV budget, draft model.
+        self.served = ServedModel(config, self.view, self.scheduler, self.pipeline, self.chat_template, self.spawn)
         self.leader = Leader(config, self.view, self.store, self.pipeline, spawn=self.spawn,
                              local_runner=lambda engine: self.follower.runner(engine),
-                             use_model=self._use_model, busy=lambda: bool(self.scheduler.active),
+                             use_model=self.served.use, busy=lambda: bool(self.scheduler.active),
                              isolated_since=lambda: self.keeper.isolated_since)
         self.follower = Follower(config, self.view, self.store, self.leader, self.spawn,
                                  forwarded=self.metrics.forwarded)
@@ -438,79 +434,6 @@ class Node:
                 self.tunnel.on_cancel(link, msg)
 
     # -- the supernode's serving parts --------------------------------------------------
-
-    def _use_model(self, model_dir: Path, manifest: Manifest) -> str:
-        """The supernode's parts that do not split: tokenizer (with this peer's chat
-        template), and the KV admission budget. Gives the template's origin for the plan
-        (``NO_CHAT``: none)."""
-        if self.scheduler.tokenizer is None:
-            self.scheduler.tokenizer = MeshTokenizer.load(model_dir, self.chat_template)
-            if self.scheduler.tokenizer.template.available:
-                template_sandbox.pool().warm()  # the render workers start now, not at the first chat
-        self._budget_model = manifest
-        self.scheduler.kv_budget_tokens = self._kv_budget(manifest)
-        if self.config.draft_model and self._drafter_for != (digest := manifest.digest):
-            self._drafter_for = digest  # (another served model than the draft model was checked against)
-            self.scheduler.drop_drafter()
-            self.spawn(self._load_drafter(manifest, digest))
-        return self.scheduler.tokenizer.template.origin or NO_CHAT
-
-    def _kv_budget(self, manifest: Manifest) -> int:
-        """KV positions the scheduler admits: the configured budget, else the least that any
-        stage of the active plan holds in KV_SHARE of its peer's memory, a position costing
-        its span's layers' KV (and on this peer, once one is loaded, the draft model's: its
-        caches, one per session drafting, sit here too); before a plan, this peer holding
-        the whole model. A configured budget is held to what those stages' own limits let them
-        hold (``store.STAGE_KV_SHARE``): past it they would refuse the steps (KV_FULL)."""
-        config = manifest.config
-        per_layer = kv_bytes_per_token(config, torch.float32) // max(1, config.n_layers)
-        drafter = self.scheduler.drafter
-        draft = kv_bytes_per_token(drafter.engine.manifest.config, torch.float32) if drafter is not None else 0
-        plan = self.pipeline.plan
-        stages = []  # (a stage's peer's caps, its KV bytes a position)
-        for a in plan.assignments if plan is not None else ():
-            here = a.node == self.node_id
-            link = None if here else self.view.links.get(a.node)
-            caps = self.view.caps if here else link.caps if link is not None else None
-            per_token = len(a.span) * per_layer + (draft if here else 0)
-            if caps is not None and per_token > 0:
-                stages.append((caps, per_token))
-        if not stages:  # before a plan, or one whose peers this one no longer links to (the next has the say)
-            stages = [(self.view.caps, config.n_layers * per_layer + draft)]  # this peer holding every layer
-        configured = self.config.kv_budget_tokens
-        if configured is None:
-            return max(config.max_position, min(int(caps.mem_budget * KV_SHARE) // n for caps, n in stages))
-        held = max(config.max_position, min(int(caps.mem_budget * STAGE_KV_SHARE) // n for caps, n in stages))
-        if configured > held:
-            log.warning("kv_budget_capped", configured=configured, stages_hold=held,
-                        reason="the plan's stages hold no more than this in their share of memory")
-            return held
-        return configured
-
-    def _plan_budget(self, plan: ActivePlan | None) -> None:
-        """A new plan spreads the layers, and their KV, over other peers: the budget follows."""
-        if plan is not None and self._budget_model is not None and self.view.is_supernode:
-            self.scheduler.kv_budget_tokens = self._kv_budget(self._budget_model)
-
-    async def _load_drafter(self, target: Manifest, digest: str) -> None:
-        """The draft model, loaded once this peer serves a model (off the loop), checked
-        against it; without it (missing, another tokenizer), speculation goes on with prompt
-        lookup alone."""
-        name = self.config.draft_model
-        assert name is not None
-        try:
-            drafter = await asyncio.to_thread(DraftModel.load, model_path(self.config, name), target,
-                                              self.config.device, self.config.dtype)
-        except (ModelError, OSError, ValueError) as exc:
-            log.warning("draft_model_unavailable", model=name, error=str(exc))
-            return
-        if self._drafter_for != digest:  # the served model changed while it loaded
-            await asyncio.to_thread(drafter.close)
-            return
-        self.scheduler.drafter = drafter
-        self.scheduler.kv_budget_tokens = self._kv_budget(target)
-        log.info("draft_model_loaded", model=drafter.name, layers=drafter.engine.manifest.n_layers,
-                 kv_budget_tokens=self.scheduler.kv_budget_tokens)
 
     async def serving_parts_soon(self) -> tuple[MeshTokenizer, int] | None:
         """The supernode's serving parts, waiting (within the failover wait) while it

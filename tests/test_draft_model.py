@@ -15,7 +15,7 @@ import pytest_asyncio
 import torch
 
 from meshd.serving import drafter as drafter_module
-from meshd.node import KV_SHARE
+from meshd.serving.served import KV_SHARE
 from meshd.serving.drafter import DraftModel
 from meshd.serving.scheduler import kv_bytes_per_token
 from shards.convert import convert

@@ -29,7 +29,7 @@ from structlog.testing import capture_logs
 
 from meshd.control.store import STAGE_KV_SHARE
 from meshd.control.tunnel import CLIENT_HEADER, TUNNEL_HEADER
-from meshd.node import KV_SHARE
+from meshd.serving.served import KV_SHARE
 from meshd.serving.scheduler import kv_bytes_per_token
 from protocol.messages import Assignment, NodeId
 from shards.layers import KVCache

@@ -34,7 +34,7 @@ EngineKey = tuple[str, Span | None, bool, bool]  # (manifest digest, span, embed
 
 
 # Of a peer's memory budget, what its stage's KV caches may hold, whatever the supernode
-# admits: twice the share the supernode's default budget plans with (node.KV_SHARE), so
+# admits: twice the share the supernode's default budget plans with (served.KV_SHARE), so
 # that a cache dropped a moment late never trips it; what it stops is a supernode that
 # admits past what this peer can hold.
 STAGE_KV_SHARE = 0.5
