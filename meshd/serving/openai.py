@@ -124,7 +124,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integ
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
         raise BadRequest(f"{key} must be {kind}", param=key)
-    if value < lo or value > hi or (lo_open and value == lo):
+    if not lo <= value <= hi or (lo_open and value == lo):  # (NaN too: JSON may carry it)
         low = f"> {lo}" if lo_open else f">= {lo}"
         raise BadRequest(f"{key} must be {low} and <= {hi}, got {value}", param=key)
     return value
@@ -274,8 +274,10 @@ def _tool_defs(body: dict) -> tuple[tuple[gen.Tool, ...], str, str, bool]:
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object",
                              param=f"tools[{i}].function.parameters")
         description = fn.get("description") or ""
-        clean.append(gen.Tool(fn["name"], description if isinstance(description, str) else str(description),
-                              json.dumps(params or {"type": "object", "properties": {}})))
+        if not isinstance(description, str):
+            raise BadRequest(f"tools[{i}].function.description must be a string",
+                             param=f"tools[{i}].function.description")
+        clean.append(gen.Tool(fn["name"], description, json.dumps(params or {"type": "object", "properties": {}})))
     names = [t.name for t in clean]
     name = ""
     if choice is None:
@@ -612,7 +614,7 @@ def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context:
     if grammar_text is not None:
         _check_fits(req, tools, max_tokens, tokenizer.max_token_chars, key)
     resumes, finished = _history(tuple(h.token_ids for h in msg.resume), msg.finished, len(prompts) * n,
-                                 tokenizer.vocab_size)
+                                 tokenizer.vocab_size, context)
     resume = any(resumes) or finished
     limit = MAX_TOP_LOGPROBS if chat else MAX_LOGPROBS_COMPLETIONS
     logprobs = _in_range(req.logprobs, "top_logprobs" if chat else "logprobs", 0, limit) if req.logprobs_on else None
@@ -709,13 +711,15 @@ def _resumes(body: dict, choices: int) -> tuple[tuple[tuple[int, ...], ...], fro
 
 
 def _history(resume: tuple[tuple[int, ...], ...], finished: tuple[int, ...], choices: int,
-             vocab_size: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
+             vocab_size: int, context: int) -> tuple[tuple[tuple[int, ...], ...], frozenset[int]]:
     """Each choice's tokens so far and the choices already whole (the client's own, or a
     resubmission's): at most one history per choice, token ids of this model, and the
     choices already whole distinct, leaving one to run."""
-    if len(resume) > choices or not all(0 <= t < vocab_size for ids in resume for t in ids):
-        raise BadRequest(f"meshd_resume must hold token ids of this model (below {vocab_size}), at most one list "
-                         f"for each of the {choices} choices", param="meshd_resume")
+    if len(resume) > choices or not all(len(ids) < context and all(0 <= t < vocab_size for t in ids)
+                                        for ids in resume):
+        raise BadRequest(f"meshd_resume must hold token ids of this model (below {vocab_size}), fewer than the "
+                         f"context's {context} in a list, at most one list for each of the {choices} choices",
+                         param="meshd_resume")
     if len(set(finished)) != len(finished) or len(finished) >= choices or not all(i < choices for i in finished):
         raise BadRequest(f"meshd_finished must list distinct choice indices below {choices}, leaving one to run",
                          param="meshd_finished")
