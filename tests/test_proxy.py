@@ -443,7 +443,7 @@ async def test_the_generate_path_answers_only_the_tunnel_and_checks_what_a_peer_
                 "token ids of this model": encode(dataclasses.replace(asked, resume=(gen.History((vocab,)),)),
                                                   gen.REQUEST_TYPES),
                 "n must be >= 1": changed(n=0),
-                "temperature must be within": changed(temperature=7.0),
+                "temperature must be >= 0.0 and <= 2.0, got 7.0": changed(temperature=7.0),
                 "needs a role": changed(chat=1, prompts=(), messages=(gen.Turn("root", "hi"),)),
             }
             for why, data in bad.items():

@@ -37,9 +37,29 @@ NO_TEMPLATE = ("this model has no chat template, so there is no telling how it e
                "or send a plain prompt to /v1/completions")
 
 # What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
-_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
-           "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p",
-           "meshd_resume", "meshd_finished", "meshd_priority", "min_tokens", "ignore_eos"}
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """A sampling number taken as it is: its default and the range it must lie in."""
+
+    default: float
+    lo: float
+    hi: float
+    lo_open: bool = False  # lo itself is out
+
+
+# The sampling numbers a request carries as the client sent them: read by ``read_request``,
+# checked again by ``prepare`` (a peer could send others), passed to ``SamplingParams`` under
+# the same name. A new one is a line here, a field of ``gen.Request`` and one of SamplingParams.
+SAMPLING_NUMBERS = {
+    "temperature": _Range(1.0, 0.0, 2.0),
+    "top_p": _Range(1.0, 0.0, 1.0, lo_open=True),
+    "min_p": _Range(0.0, 0.0, 1.0),
+    "presence_penalty": _Range(0.0, -2.0, 2.0),
+    "frequency_penalty": _Range(0.0, -2.0, 2.0),
+    "repetition_penalty": _Range(1.0, 0.0, 10.0, lo_open=True),
+}
+_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "seed", "stop", "logit_bias", "top_k",
+           "meshd_resume", "meshd_finished", "meshd_priority", "min_tokens", "ignore_eos", *SAMPLING_NUMBERS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -124,10 +144,14 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integ
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
         raise BadRequest(f"{key} must be {kind}", param=key)
+    _within(key, value, lo, hi, lo_open)
+    return value
+
+
+def _within(key: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
     if not lo <= value <= hi or (lo_open and value == lo):  # (NaN too: JSON may carry it)
         low = f"> {lo}" if lo_open else f">= {lo}"
         raise BadRequest(f"{key} must be {low} and <= {hi}, got {value}", param=key)
-    return value
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -536,13 +560,9 @@ def read_request(body: Any, *, chat: bool, model: str) -> gen.Generate:
         int(chat), asked or "", messages, prompts, tools, choice, name, int(parallel), response_format, schema,
         n=n, stream=int(stream), echo=int(echo), include_usage=int(bool(options.get("include_usage")) and stream),
         max_tokens=_integer(body, key, 0), max_tokens_given=int(body.get(key) is not None), max_tokens_key=key,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
         top_k=_integer(body, "top_k", 0),
-        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)),
+        **{key: float(_number(body, key, r.default, r.lo, r.hi, lo_open=r.lo_open))
+           for key, r in SAMPLING_NUMBERS.items()},
         # any integer is a seed: one past 64 bits travels as its value modulo 2^64
         seed=(seed + _INT64) % (2 * _INT64) - _INT64 if seed is not None else 0, seeded=int(seed is not None),
         stop=_stops(body), logit_bias=_logit_bias(body), logprobs=logprobs or 0, logprobs_on=int(logprobs is not None),
@@ -628,13 +648,13 @@ def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context:
         bad = next((b.token for b in req.logit_bias if not 0 <= b.token < tokenizer.vocab_size), None)
         raise BadRequest(f"logit_bias key {str(bad)!r} is not a token id of this model" if bad is not None else
                          "logit_bias must hold at most 1024 token ids, values within [-100, 100]", param="logit_bias")
-    _check_floats(req)
+    numbers = {key: getattr(req, key) for key in SAMPLING_NUMBERS}
+    for key, r in SAMPLING_NUMBERS.items():  # as read_request holds a client's to them; a peer could send others
+        _within(key, numbers[key], r.lo, r.hi, r.lo_open)
     params = SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, seed=req.seed if req.seeded else None, max_tokens=max_tokens,
-        stop=req.stop,
+        seed=req.seed if req.seeded else None, max_tokens=max_tokens, stop=req.stop,
         top_k=max(0, _in_range(req.top_k, "top_k", -1, tokenizer.vocab_size)),  # -1: off (vLLM's)
-        min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
+        **numbers,
         logit_bias=tuple((b.token, b.value) for b in req.logit_bias),
         logprobs=logprobs,
         grammar=grammar_text,
@@ -642,21 +662,10 @@ def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context:
         ignore_eos=bool(req.ignore_eos),
         # a resubmission's client has its echo (and the prompt's logprobs) already
         prompt_logprobs=logprobs if echo and not resume else None,
-    )  # (its own checks: the float fields' ranges, as a peer could send them out of bounds)
+    )
     return CompletionRequest(chat, model, prompts, params, n, bool(req.stream), resumes, finished,
                              bool(req.include_usage) and bool(req.stream), echo, given, context, tools, texts,
                              Priority.BATCH if req.batch else Priority.INTERACTIVE)
-
-
-def _check_floats(req: gen.Request) -> None:
-    """The sampling numbers within what the API takes (as ``read_request`` holds a client's
-    to them; a peer could send others)."""
-    for key, value, lo, hi in (("temperature", req.temperature, 0.0, 2.0), ("top_p", req.top_p, 0.0, 1.0),
-                               ("min_p", req.min_p, 0.0, 1.0), ("presence_penalty", req.presence_penalty, -2.0, 2.0),
-                               ("frequency_penalty", req.frequency_penalty, -2.0, 2.0),
-                               ("repetition_penalty", req.repetition_penalty, 0.0, 10.0)):
-        if not lo <= value <= hi or (key in ("top_p", "repetition_penalty") and value == lo):
-            raise BadRequest(f"{key} must be within [{lo}, {hi}], got {value}", param=key)
 
 
 def request_chars(req: gen.Request) -> int:
