@@ -7,7 +7,7 @@ node loads it (the engine, its device layouts built): the bytes its weights hold
 its batch-1 decode tok/s (a 16-token prompt, then single-token steps, best of --rounds);
 and llama.cpp's `llama-bench` decode (tg) on the same file with the same thread count.
 The two engines run in alternating rounds so that other work on the machine weighs on both.
-``--step-by-step`` adds a third engine to each round: meshd with MESHD_WHOLE_BLOCK=0 (decode
+``--step-by-step`` adds a third engine to each round: meshd with ``Kernels.ROWS`` (decode
 rows through a block's steps one C call at a time, as before shards/rowops.c's ro_block).
 
     .venv/bin/python bench/bench_gguf.py [--threads 2] [--tokens 64] [--rounds 3] [--step-by-step]
@@ -43,18 +43,19 @@ def _status_mb(key: str) -> float:
     return float("nan")
 
 
-def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
+def child(model_dir: str, threads: int, tokens: int, rounds: int, kernels: str) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     from shards.engine import StageEngine
     from shards.manifest import Manifest
+    from shards.rowops import Kernels
     from shards.qlinear import held_bytes
     from shards.span import Span
 
     n = Manifest.load(Path(model_dir)).n_layers
     t0 = time.perf_counter()
-    eng = StageEngine.load(Path(model_dir), Span(0, n), True, True, "cpu", "float32")
+    eng = StageEngine.load(Path(model_dir), Span(0, n), True, True, "cpu", "float32", kernels=Kernels(kernels))
     load_s = time.perf_counter() - t0
     rss_loaded = _status_mb("VmRSS")
     stage = eng.stage
@@ -79,7 +80,7 @@ def child(model_dir: str, threads: int, tokens: int, rounds: int) -> dict:
                 pos += 1
             return tokens / (time.perf_counter() - t)
 
-    eng.run_sync(decode)  # warm-up, on the engine's thread like every round (see shards/engine.py use_threads)
+    eng.run_sync(decode)  # warm-up, on the engine's thread like every round (see shards/engine.py default_threads)
     out["decode_tok_s"] = [round(eng.run_sync(decode), 2) for _ in range(rounds)]
     out["peak_rss_mb"] = round(_status_mb("VmHWM"), 1)
     eng.close()
@@ -123,11 +124,12 @@ def main() -> None:
     add_llama_cpp_flags(ap)
     ap.add_argument("--gemma", type=Path, default=gguf_file(GEMMA_GGUF) or state_dir() / "cache" / GEMMA_GGUF,
                     help="Gemma 3 270M's GGUF file (default: %(default)s, where `make test` puts it)")
-    ap.add_argument("--step-by-step", action="store_true", help="also meshd with MESHD_WHOLE_BLOCK=0")
+    ap.add_argument("--step-by-step", action="store_true", help="also meshd without the whole-block kernel")
     ap.add_argument("--child", nargs=1)
+    ap.add_argument("--kernels", default="whole-block", help=argparse.SUPPRESS)  # the child's
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.threads, a.tokens, a.rounds)))
+        print(json.dumps(child(a.child[0], a.threads, a.tokens, a.rounds, a.kernels)))
         return
     llama, why_not = llama_cpp(a.llama_cpp, a.build_llama_cpp, tools=("llama-bench", "llama-quantize"))
     if llama is None:
@@ -153,17 +155,17 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
         ours, steps, theirs = [], [], []
 
-        def meshd(extra: dict) -> dict:
+        def meshd(kernels: str = "whole-block") -> dict:
             res = subprocess.run([sys.executable, __file__, "--child", str(out), "--threads", str(a.threads),
-                                  "--tokens", str(a.tokens), "--rounds", "1"],
-                                 capture_output=True, text=True, env=env | extra, check=True)
+                                  "--tokens", str(a.tokens), "--rounds", "1", "--kernels", kernels],
+                                 capture_output=True, text=True, env=env, check=True)
             return json.loads(res.stdout.strip().splitlines()[-1])
         for _ in range(a.rounds):  # alternate the engines so that other load weighs on both
-            r = meshd({})
+            r = meshd()
             ours.append(r["decode_tok_s"][0])
             row |= {k: v for k, v in r.items() if k != "decode_tok_s"}
             if a.step_by_step:
-                steps.append(meshd({"MESHD_WHOLE_BLOCK": "0"})["decode_tok_s"][0])
+                steps.append(meshd("rows")["decode_tok_s"][0])
             if llama:
                 theirs.append(llama_bench(llama, f, a.threads, a.tokens))
         row["decode_tok_s"] = max(ours)

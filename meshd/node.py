@@ -30,7 +30,6 @@ from typing import cast
 
 import aiohttp
 import structlog
-import torch
 from aiohttp import web
 
 from meshd.config import Config
@@ -88,7 +87,7 @@ from protocol.messages import (
 )
 from shards.chat import ChatTemplate
 from shards.chat_templates import GivenTemplate, given_template
-from shards.engine import apart, measure_parts, use_threads
+from shards.engine import apart, default_threads, measure_parts
 from shards.fetch import list_models
 from shards.manifest import Manifest
 from shards.tokenizer import MeshTokenizer
@@ -141,9 +140,10 @@ class Node:
         self.secret = config.load_secret()
         self.node_id = load_node_id(config.state_dir)
         self.device = pick_device(config.device)
-        # Engines run on the configured threads (their workers are made on other threads,
-        # which would start at OpenMP's default); the daemon's own thread keeps one (cmd_run).
-        use_threads(config.threads or torch.get_num_threads(), here=config.threads)
+        # Engines and start-up probes run on the configured threads, passed to each (their
+        # workers are threads of their own, which would start at OpenMP's default); the
+        # daemon's own thread keeps one (cmd_run: shards/engine.py default_threads).
+        self.threads = config.threads or default_threads()
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret,
                                       plaintext=config.debug_plaintext_links)
         self.tokens = TokenCheck(self.secret)  # shard-file requests from peers
@@ -160,7 +160,7 @@ class Node:
 
         model = local_model(config)
         self.view = MeshView(self.node_id, self._capabilities(*model))
-        self.store = ModelStore(config, self.view, self.secret, self._http_client, model)
+        self.store = ModelStore(config, self.view, self.secret, self._http_client, model, threads=self.threads)
         self.traces = TraceStore(self.node_id)  # request timelines: those running, the last few hundred
         self.metrics = NodeMetrics(self.view, self.device, self.status, self.traces,
                                    lambda: self.pipeline.totals)  # one registry per node
@@ -209,7 +209,7 @@ class Node:
         if model_dir is None or manifest is None:
             return Measured()
         try:
-            t = apart(lambda: measure_parts(model_dir, self.config.device, self.config.dtype))
+            t = apart(lambda: measure_parts(model_dir, self.config.device, self.config.dtype), self.threads)
         except (*KNOWN_ERRORS, OSError, RuntimeError) as exc:  # torch's too (out of memory): the probe serves
             log.warning("measure_failed", model=manifest.name, error=str(exc))
             return Measured()
@@ -228,7 +228,7 @@ class Node:
         if manifest is not None:
             models.add(ModelName(manifest.name))
         # A simulated slow box (debug delay) must look slow to placement too.
-        layer_ms = apart(lambda: speed_probe(self.device)) + self.config.debug_layer_delay_ms
+        layer_ms = apart(lambda: speed_probe(self.device), self.threads) + self.config.debug_layer_delay_ms
         return Capabilities(
             vram=vram,
             ram=total_ram(),

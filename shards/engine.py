@@ -205,34 +205,24 @@ class _Worker:
             self.urgent_seconds += time.perf_counter() - began
 
 
-# Torch threads of an engine's worker once ``use_threads`` set them (None: its creator's).
-_THREADS: int | None = None
+def default_threads() -> int:
+    """An engine's torch threads where its creator names none: the calling thread's count
+    (torch's default, all cores, unless set). A daemon names its own (``Config.threads``).
+
+    Only engine workers and short-lived threads (``apart``) should run torch's parallel
+    regions in a daemon: libgomp keeps a pool of threads for every thread that has run a
+    parallel region, for as long as that thread lives; once its pools hold more threads than
+    there are cores it stops spinning between regions and wakes its workers by futex each
+    time, hundreds of times a decode step. Measured (SmolLM2 Q4_1, 2 threads on 2 cores):
+    67-72 tok/s while one thread ran torch, 27-35 once a second thread had too, and the
+    first did not recover. So the daemon's own thread keeps one (``cmd_run``)."""
+    return torch.get_num_threads()
 
 
-def use_threads(n: int, here: int | None = 1) -> None:
-    """Run engines' torch work on ``n`` threads and the calling thread's (a daemon's event
-    loop) on ``here`` (None: leave it), so that in a daemon only engine workers and
-    short-lived threads (``apart``) ever run torch's parallel regions.
-
-    libgomp keeps a pool of threads for every thread that has run a parallel region, for as
-    long as that thread lives; once its pools hold more threads than there are cores it stops
-    spinning between regions and wakes its workers by futex each time, hundreds of times a
-    decode step. Measured (SmolLM2 Q4_1, 2 threads on 2 cores): 67-72 tok/s while one thread
-    ran torch, 27-35 once a second thread had too, and the first did not recover."""
-    global _THREADS
-    _THREADS = max(1, int(n))
-    if here is not None:
-        torch.set_num_threads(here)
-
-
-def engine_threads() -> int:
-    return _THREADS if _THREADS is not None else torch.get_num_threads()
-
-
-def apart(fn: Callable[[], R]) -> R:
-    """``fn()`` on a worker of its own with the engines' thread count, waited for: torch work
-    off the engines (start-up probes) whose OpenMP pool ends with that worker's thread."""
-    worker = _Worker(engine_threads())
+def apart(fn: Callable[[], R], threads: int) -> R:
+    """``fn()`` on a worker of its own with ``threads`` (the engines' count), waited for: torch
+    work off the engines (start-up probes) whose OpenMP pool ends with that worker's thread."""
+    worker = _Worker(threads)
     try:
         return worker.submit(fn).result()
     finally:
@@ -248,8 +238,8 @@ class StageEngine:
         self.device = stage.device
         self.dtype = stage.dtype
         self._caches: dict[str, Caches] = {}
-        # torch's thread count is per OS thread (OpenMP): see use_threads.
-        self._pool = worker or _Worker(engine_threads())
+        # torch's thread count is per OS thread (OpenMP): see default_threads.
+        self._pool = worker or _Worker(default_threads())
         self._closed = False
         self._forwarding: frozenset[str] = frozenset()  # (worker's) sessions of the forward running
         self.epoch = 0  # drop_all calls so far
@@ -261,16 +251,17 @@ class StageEngine:
     @classmethod
     def load(cls, model_dir: Path, span: Span | None, embed: bool, head: bool,
              device: str = "auto", dtype: str | torch.dtype = "auto", verify: bool = True,
-             threads: int | None = None) -> StageEngine:
-        """``threads``: its worker's torch threads (default: the engines' count)."""
+             threads: int | None = None, kernels: rowops.Kernels = rowops.Kernels.WHOLE_BLOCK) -> StageEngine:
+        """``threads``: its worker's torch threads (default: ``default_threads()``);
+        ``kernels``: which code runs its blocks on the CPU (``load_stage``)."""
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         t0 = time.perf_counter()
         # Loaded (packed, probed) on the engine's own worker, the one thread that runs it after.
-        worker = _Worker(threads or engine_threads())
+        worker = _Worker(threads or default_threads())
         try:
             stage, manifest = worker.submit(lambda: load_stage(model_dir, span, embed, head, dev, dt,
-                                                               verify=verify)).result()
+                                                               verify=verify, kernels=kernels)).result()
         except BaseException:
             worker.shutdown()
             raise

@@ -48,6 +48,7 @@ class Stage(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if head else None
         self.output: AnyLinear | None = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if head else None
         self.rowops: ctypes.CDLL | None = None  # shards/rowops.py's library, where load_stage found it can run
+        self.whole_block = True  # decode rows' blocks in one C call where they can (rowops.Kernels)
         self.tie()
 
     def tie(self) -> None:
@@ -105,7 +106,7 @@ class Stage(nn.Module):
                 ropes[block.sliding] = rope_tables(self.config, block.sliding, spans, x.device, x.dtype)
             segments = [(start, rows, None if caches is None else caches[i]) for start, rows, caches in batch]
             if self.rowops is not None:
-                x = rowops.block(self.rowops, block, x, *ropes[block.sliding], segments)
+                x = rowops.block(self.rowops, block, x, *ropes[block.sliding], segments, self.whole_block)
             else:
                 x = block(x, *ropes[block.sliding], segments)
             if between is not None and i + 1 < self.span.stop:
@@ -208,11 +209,12 @@ LOAD_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, Arit
 
 def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               verify: bool = True) -> tuple[Stage, Manifest]:
+               verify: bool = True, kernels: rowops.Kernels = rowops.Kernels.WHOLE_BLOCK) -> tuple[Stage, Manifest]:
     """Build a stage on the meta device and fill it from just its own shard files; a model
-    whose files do not make one is a ModelError, whatever fails first."""
+    whose files do not make one is a ModelError, whatever fails first. ``kernels``: which
+    code runs its blocks on the CPU (the fastest there is unless a bench or test says)."""
     try:
-        return _load_stage(model_dir, span, embed, head, device, dtype, verify)
+        return _load_stage(model_dir, span, embed, head, device, dtype, verify, kernels)
     except LOAD_ERRORS as exc:
         if isinstance(exc, ShardsError):  # (InvalidParams is a ValueError)
             raise
@@ -220,7 +222,7 @@ def load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool,
 
 
 def _load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool, device: torch.device | str,
-                dtype: torch.dtype, verify: bool) -> tuple[Stage, Manifest]:
+                dtype: torch.dtype, verify: bool, kernels: rowops.Kernels) -> tuple[Stage, Manifest]:
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
     family(manifest.architecture)  # a model of an architecture this meshd does not know is refused
@@ -256,7 +258,8 @@ def _load_stage(model_dir: Path, span: Span | None, embed: bool, head: bool, dev
     fuse(stage)
     if records:
         qlinear.prepare(stage, dtype)  # the device's packed layouts, checked against a plain matmul
-    stage.rowops = rowops.library_for(device, dtype)
+    stage.rowops = None if kernels is rowops.Kernels.TORCH else rowops.library_for(device, dtype)
+    stage.whole_block = kernels is rowops.Kernels.WHOLE_BLOCK
     if stage.rowops is not None:  # the CPU's float linears row-invariant too (the quantized ones are)
         qlinear.exact_floats(stage, qblocks.library())
     stage.eval()

@@ -21,8 +21,8 @@ forward runs.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import cast, overload
@@ -44,6 +44,14 @@ _BF16 = torch.bfloat16
 
 
 _I64, _VOIDP, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class Kernels(enum.Enum):
+    """Which code runs a stage's blocks on the CPU (``load_stage``'s ``kernels``): the
+    fastest there is by default; the others for side-by-side runs (benches, tests)."""
+    WHOLE_BLOCK = "whole-block"  # a decode row's block in one C call (ro_block) where its linears allow
+    ROWS = "rows"  # the small steps in C, each linear called from here (``block`` without ro_block)
+    TORCH = "torch"  # Block.forward: torch ops only
 
 
 class Segment(ctypes.Structure):
@@ -80,8 +88,8 @@ def c_layout(lib: ctypes.CDLL) -> list[int]:
 
 def library_for(device: torch.device, dtype: torch.dtype) -> ctypes.CDLL | None:
     """The built library where a stage on ``device`` with activations ``dtype`` can use it;
-    None elsewhere, where it cannot be built, or with MESHD_ROWOPS=0 (for side-by-side runs)."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("MESHD_ROWOPS") == "0":
+    None elsewhere, or where it cannot be built."""
+    if device.type != "cpu" or dtype != torch.float32:
         return None
     return _declared(qblocks.build(SOURCE))
 
@@ -220,8 +228,7 @@ def _on_blocks(m: AnyLinear) -> bool:
 
 def _whole_plan(pl: _Plan, wo: AnyLinear, w2: AnyLinear) -> _Whole | None:
     """The plan, with the linears on the block kernel (a GGUF file's Q8_0, Q5_x, Q6_K and Q5_K)
-    run in C; None where that kernel is not built, no linear runs on it, or with
-    MESHD_WHOLE_BLOCK=0 (for side-by-side runs)."""
+    run in C; None where that kernel is not built or no linear runs on it."""
     lib = qblocks.library()
     norms = (pl.attention_norm, pl.post_attention_norm, pl.ffn_norm, pl.post_ffn_norm, pl.q_norm, pl.k_norm)
     slots = {1: pl.qkv.linears, 3: (wo,), 5: pl.gate_up.linears, 7: (w2,)}
@@ -229,7 +236,7 @@ def _whole_plan(pl: _Plan, wo: AnyLinear, w2: AnyLinear) -> _Whole | None:
     f32 = torch.float32  # what each slot's input is written in: its own dtype where torch runs it
     takes = {step: f32 if in_c[step] else dtype for step, dtype in
              ((1, pl.qkv.dtype), (3, pl.wo_dtype), (5, pl.gate_up.dtype), (7, pl.w2_dtype))}
-    if (lib is None or os.environ.get("MESHD_WHOLE_BLOCK") == "0" or not any(in_c.values())
+    if (lib is None or not any(in_c.values())
             or any(n is not None and n.weight.dtype != torch.float32 for n in norms)
             or not (in_c[1] or in_c[5] or pl.qkv.dtype == pl.gate_up.dtype)):  # (h is one buffer)
         return None
@@ -305,10 +312,11 @@ def add_norm(lib: ctypes.CDLL, x: Tensor, a: Tensor | None, post: RMSNorm | None
     return out
 
 
-def block(lib: ctypes.CDLL, b: Block, x: Tensor, cos: Tensor, sin: Tensor, segments) -> Tensor:
-    """``Block.forward`` of x [N, H] (float32, contiguous, updated in place and returned)."""
+def block(lib: ctypes.CDLL, b: Block, x: Tensor, cos: Tensor, sin: Tensor, segments, whole: bool = True) -> Tensor:
+    """``Block.forward`` of x [N, H] (float32, contiguous, updated in place and returned);
+    ``whole``: decode rows' blocks in one C call where the plan has one (``Kernels``)."""
     pl = _plan(b)
-    if (pl.whole is not None and segments and all(rows == 1 and cache is not None for _, rows, cache in segments)
+    if (whole and pl.whole is not None and segments and all(rows == 1 and cache is not None for _, rows, cache in segments)
             and len({id(c) for _, _, c in segments}) == len(segments)):  # (one cache twice: the error below)
         return _whole_block(lib, pl, x, cos, sin, segments)
     ys = pl.qkv(add_norm(lib, x, None, None, pl.attention_norm, pl.qkv.dtype))

@@ -240,9 +240,6 @@ def test_without_a_compiler_the_torch_forward_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHD_KERNEL_CACHE", str(tmp_path))
     assert rowops.library_for(torch.device("cpu"), torch.float32) is None
     monkeypatch.delenv("CC")
-    monkeypatch.setenv("MESHD_ROWOPS", "0")
-    assert rowops.library_for(torch.device("cpu"), torch.float32) is None
-    monkeypatch.delenv("MESHD_ROWOPS")
     assert rowops.library_for(torch.device("cpu"), torch.bfloat16) is None
     assert rowops.library_for(torch.device("meta"), torch.float32) is None
 
@@ -267,12 +264,8 @@ needs_blocks = pytest.mark.skipif(qblocks.library() is None, reason="no C compil
 
 
 def _whole(stage: Stage, on: bool) -> None:
-    """Decode rows as whole blocks in C, or step by step (the plans are made on first use)."""
-    for b in stage.layers.values():
-        pl = rowops._plan(b)
-        if "_whole" not in pl.__dict__:
-            pl._whole = pl.whole
-        pl.whole = pl._whole if on else None
+    """Decode rows as whole blocks in C, or step by step (``Kernels.ROWS``, as load_stage sets it)."""
+    stage.whole_block = on
 
 
 @needs_blocks
@@ -328,3 +321,24 @@ def test_a_whole_block_row_equals_that_row_in_a_mixed_batch():
     mixed = _forward(stage, LIB, torch.cat([chunk, step]), [(0, 3, stage.new_caches()), (7, 1, ca)])
     assert torch.equal(mixed[3:], alone)
 
+
+
+def test_a_stage_runs_the_kernels_it_was_loaded_with(tiny_model_dir):
+    """``load_stage``'s ``kernels`` (benches compare them side by side): torch's forward, the
+    C steps, or whole blocks for decode rows; the same answer within float rounding."""
+    from shards.manifest import Manifest
+    from shards.model import load_stage
+
+    n = Manifest.load(tiny_model_dir).n_layers
+    outs = {}
+    for kernels in rowops.Kernels:
+        stage, _ = load_stage(tiny_model_dir, Span(0, n), False, False, kernels=kernels)
+        assert (stage.rowops is None) == (kernels is rowops.Kernels.TORCH or LIB is None)
+        assert stage.whole_block == (kernels is rowops.Kernels.WHOLE_BLOCK)
+        x = torch.randn(5, stage.config.hidden_size, generator=torch.Generator().manual_seed(3))
+        caches = stage.new_caches()
+        with torch.inference_mode():
+            stage.forward_batch(x[:4], [(0, 4, caches)])
+            outs[kernels] = stage.forward_batch(x[4:], [(4, 1, caches)])
+    for kernels in (rowops.Kernels.ROWS, rowops.Kernels.WHOLE_BLOCK):
+        torch.testing.assert_close(outs[kernels], outs[rowops.Kernels.TORCH], rtol=1e-4, atol=1e-4)

@@ -70,8 +70,10 @@ def local_model(config: Config) -> tuple[Path | None, Manifest | None]:
 
 class ModelStore:
     def __init__(self, config: Config, view: MeshView, secret: bytes, http: Callable[[], aiohttp.ClientSession],
-                 model: tuple[Path | None, Manifest | None] | None = None):
+                 model: tuple[Path | None, Manifest | None] | None = None, threads: int | None = None):
         self.config = config
+        # An engine's torch threads: the daemon's (Node.threads); None, the loading thread's default.
+        self.threads = threads
         self.view = view
         self._secret = secret
         self._http = http  # the node's client session, which exists once the node runs
@@ -162,7 +164,8 @@ class ModelStore:
         if missing := missing_files(model_dir, manifest, names):
             await self._fetch(manifest, model_dir, missing, sources)
         engine = await asyncio.to_thread(
-            StageEngine.load, model_dir, span, embed, head, self.config.device, self.config.dtype
+            StageEngine.load, model_dir, span, embed, head, self.config.device, self.config.dtype,
+            threads=self.threads,
         )
         self._keys[engine] = key
         engine.kv_limit = stage_kv_limit(engine, self.view.caps.mem_budget)

@@ -161,12 +161,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(config.log_level)
     from meshd.node import Node
     from meshd.tools.notify import Notifier
-    from shards.engine import engine_threads, use_threads
+    import torch
 
     node = Node(config)
-    # Torch work belongs to the engines' workers (shards/engine.py use_threads): this thread
-    # (the event loop's) runs on one, so it never keeps an OpenMP pool of its own.
-    use_threads(engine_threads())
+    # Torch work belongs to the engines' workers (shards/engine.py default_threads), each
+    # made with the node's count: this thread (the event loop's) runs on one, so it never
+    # keeps an OpenMP pool of its own.
+    torch.set_num_threads(1)
     notifier = Notifier.from_env()
 
     async def main() -> None:
