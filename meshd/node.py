@@ -141,8 +141,8 @@ class Node:
         self.node_id = load_node_id(config.state_dir)
         self.device = pick_device(config.device)
         # Engines and start-up probes run on the configured threads, passed to each (their
-        # workers are threads of their own, which would start at OpenMP's default); the
-        # daemon's own thread keeps one (cmd_run: shards/engine.py default_threads).
+        # workers are threads of their own, made where no count is set); the daemon's own
+        # thread keeps one (cmd_run: shards/engine.py default_threads).
         self.threads = config.threads or default_threads()
         self.identity = LocalIdentity(self.node_id, config.name, config.mesh, self.secret,
                                       plaintext=config.debug_plaintext_links)

@@ -206,8 +206,9 @@ class _Worker:
 
 
 def default_threads() -> int:
-    """An engine's torch threads where its creator names none: the calling thread's count
-    (torch's default, all cores, unless set). A daemon names its own (``Config.threads``).
+    """An engine's torch threads where its creator names none: what torch reports on the
+    calling thread (all cores unless something set a count). A daemon names its own
+    (``Node.threads``, from ``Config.threads``).
 
     Only engine workers and short-lived threads (``apart``) should run torch's parallel
     regions in a daemon: libgomp keeps a pool of threads for every thread that has run a

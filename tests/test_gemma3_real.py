@@ -175,6 +175,48 @@ def test_three_peer_mesh_equals_one_node(meshlab, gemma_dir):
     assert spec["accepted"] > 0, spec
 
 
+def test_a_stage_runs_the_kernels_it_was_loaded_with(gemma_dir, monkeypatch):
+    """``load_stage``'s ``kernels`` (benches run them side by side) on the real file, whose
+    Q6_K/Q5_K linears the block kernel runs: a decode row goes through whole blocks in C,
+    through the C steps one at a time, or through torch's forward, as asked; whole blocks
+    give the steps' bits, torch the same answer within float rounding."""
+    import torch
+
+    from shards import rowops
+    from shards.model import load_stage
+    from shards.span import Span
+
+    if rowops.library_for(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("no C compiler to build shards/rowops.c")
+    calls = {"whole": 0, "steps": 0}
+    whole_block, block = rowops._whole_block, rowops.block
+
+    def counted_whole(*a, **k):
+        calls["whole"] += 1
+        return whole_block(*a, **k)
+
+    def counted_block(*a, **k):
+        calls["steps"] += 1
+        return block(*a, **k)
+    monkeypatch.setattr(rowops, "_whole_block", counted_whole)
+    monkeypatch.setattr(rowops, "block", counted_block)
+    outs, seen = {}, {}
+    for kernels in rowops.Kernels:
+        stage, _ = load_stage(gemma_dir, Span(0, 2), False, False, kernels=kernels)
+        x = torch.randn(5, stage.config.hidden_size, generator=torch.Generator().manual_seed(3))
+        caches = stage.new_caches()
+        with torch.inference_mode():
+            stage.forward_batch(x[:4], [(0, 4, caches)])
+            calls.update(whole=0, steps=0)
+            outs[kernels] = stage.forward_batch(x[4:], [(4, 1, caches)])
+        seen[kernels] = dict(calls)
+    assert seen == {rowops.Kernels.WHOLE_BLOCK: {"whole": 2, "steps": 2}, rowops.Kernels.ROWS: {"whole": 0, "steps": 2},
+                    rowops.Kernels.TORCH: {"whole": 0, "steps": 0}}
+    assert torch.equal(outs[rowops.Kernels.WHOLE_BLOCK], outs[rowops.Kernels.ROWS])
+    want = outs[rowops.Kernels.TORCH]
+    assert ((outs[rowops.Kernels.ROWS] - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
 def test_a_replay_continues_as_the_stream_it_replaces(gemma_dir):
     """Failover's exactness on the fetched Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0 blocks on the
     block kernel): a restart from the prompt plus k generated tokens, prefilled in one

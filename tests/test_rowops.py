@@ -320,25 +320,3 @@ def test_a_whole_block_row_equals_that_row_in_a_mixed_batch():
     alone = _forward(stage, LIB, step, [(7, 1, copy.deepcopy(ca))])
     mixed = _forward(stage, LIB, torch.cat([chunk, step]), [(0, 3, stage.new_caches()), (7, 1, ca)])
     assert torch.equal(mixed[3:], alone)
-
-
-
-def test_a_stage_runs_the_kernels_it_was_loaded_with(tiny_model_dir):
-    """``load_stage``'s ``kernels`` (benches compare them side by side): torch's forward, the
-    C steps, or whole blocks for decode rows; the same answer within float rounding."""
-    from shards.manifest import Manifest
-    from shards.model import load_stage
-
-    n = Manifest.load(tiny_model_dir).n_layers
-    outs = {}
-    for kernels in rowops.Kernels:
-        stage, _ = load_stage(tiny_model_dir, Span(0, n), False, False, kernels=kernels)
-        assert (stage.rowops is None) == (kernels is rowops.Kernels.TORCH or LIB is None)
-        assert stage.whole_block == (kernels is rowops.Kernels.WHOLE_BLOCK)
-        x = torch.randn(5, stage.config.hidden_size, generator=torch.Generator().manual_seed(3))
-        caches = stage.new_caches()
-        with torch.inference_mode():
-            stage.forward_batch(x[:4], [(0, 4, caches)])
-            outs[kernels] = stage.forward_batch(x[4:], [(4, 1, caches)])
-    for kernels in (rowops.Kernels.ROWS, rowops.Kernels.WHOLE_BLOCK):
-        torch.testing.assert_close(outs[kernels], outs[rowops.Kernels.TORCH], rtol=1e-4, atol=1e-4)

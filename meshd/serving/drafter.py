@@ -61,7 +61,7 @@ class DraftModel:
         if manifest.config.vocab_size > target.config.vocab_size:
             raise ModelError(f"draft model {manifest.name!r} has a larger vocabulary than {target.name!r}")
         # One thread: a second worker running torch's parallel regions on several threads
-        # would make libgomp stop spinning for the stage's own (shards/engine.py use_threads).
+        # would make libgomp stop spinning for the stage's own (shards/engine.py default_threads).
         engine = StageEngine.load(model_dir, Span(0, manifest.n_layers), True, True, device, dtype, threads=1)
         return cls(engine)
 

@@ -36,7 +36,6 @@ NO_TEMPLATE = ("this model has no chat template, so there is no telling how it e
                f"(the supernode) with --chat-template NAME|FILE ({', '.join(BUILTIN)}, or a Jinja file), "
                "or send a plain prompt to /v1/completions")
 
-# What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
 @dataclass(frozen=True, slots=True)
 class _Range:
     """A sampling number taken as it is: its default and the range it must lie in."""
@@ -58,6 +57,7 @@ SAMPLING_NUMBERS = {
     "frequency_penalty": _Range(0.0, -2.0, 2.0),
     "repetition_penalty": _Range(1.0, 0.0, 10.0, lo_open=True),
 }
+# What each endpoint implements. Any other field is a 400 naming it: nothing is silently dropped.
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "seed", "stop", "logit_bias", "top_k",
            "meshd_resume", "meshd_finished", "meshd_priority", "min_tokens", "ignore_eos", *SAMPLING_NUMBERS}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
@@ -561,8 +561,8 @@ def read_request(body: Any, *, chat: bool, model: str) -> gen.Generate:
         n=n, stream=int(stream), echo=int(echo), include_usage=int(bool(options.get("include_usage")) and stream),
         max_tokens=_integer(body, key, 0), max_tokens_given=int(body.get(key) is not None), max_tokens_key=key,
         top_k=_integer(body, "top_k", 0),
-        **{key: float(_number(body, key, r.default, r.lo, r.hi, lo_open=r.lo_open))
-           for key, r in SAMPLING_NUMBERS.items()},
+        **{name: float(_number(body, name, r.default, r.lo, r.hi, lo_open=r.lo_open))
+           for name, r in SAMPLING_NUMBERS.items()},
         # any integer is a seed: one past 64 bits travels as its value modulo 2^64
         seed=(seed + _INT64) % (2 * _INT64) - _INT64 if seed is not None else 0, seeded=int(seed is not None),
         stop=_stops(body), logit_bias=_logit_bias(body), logprobs=logprobs or 0, logprobs_on=int(logprobs is not None),
@@ -648,9 +648,9 @@ def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context:
         bad = next((b.token for b in req.logit_bias if not 0 <= b.token < tokenizer.vocab_size), None)
         raise BadRequest(f"logit_bias key {str(bad)!r} is not a token id of this model" if bad is not None else
                          "logit_bias must hold at most 1024 token ids, values within [-100, 100]", param="logit_bias")
-    numbers = {key: getattr(req, key) for key in SAMPLING_NUMBERS}
-    for key, r in SAMPLING_NUMBERS.items():  # as read_request holds a client's to them; a peer could send others
-        _within(key, numbers[key], r.lo, r.hi, r.lo_open)
+    numbers = {name: getattr(req, name) for name in SAMPLING_NUMBERS}
+    for name, r in SAMPLING_NUMBERS.items():  # as read_request holds a client's to them; a peer could send others
+        _within(name, numbers[name], r.lo, r.hi, r.lo_open)
     params = SamplingParams(
         seed=req.seed if req.seeded else None, max_tokens=max_tokens, stop=req.stop,
         top_k=max(0, _in_range(req.top_k, "top_k", -1, tokenizer.vocab_size)),  # -1: off (vLLM's)

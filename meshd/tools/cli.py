@@ -159,9 +159,10 @@ def _state_dir(args: argparse.Namespace) -> Path:
 def cmd_run(args: argparse.Namespace) -> int:
     config = build_config(_config_file(args.config), flags=_flags(args))
     setup_logging(config.log_level)
+    import torch
+
     from meshd.node import Node
     from meshd.tools.notify import Notifier
-    import torch
 
     node = Node(config)
     # Torch work belongs to the engines' workers (shards/engine.py default_threads), each
