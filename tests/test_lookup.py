@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from meshd.serving.lookup import MAX_DRAFT, MatchRates, PromptLookup, StepCost
+from meshd.serving.lookup import MAX_DRAFT, PROBE_AFTER, MatchRates, PromptLookup, StepCost
 
 
 def test_lookup_drafts_what_followed_the_latest_match_of_the_longest_suffix():
@@ -50,6 +50,32 @@ def test_a_draft_is_worth_what_drafts_matching_as_long_a_suffix_were():
     tokens = [7, 1, 2, 3, 9, 1, 2, 5, 6, 1, 2]
     assert look.draft(tokens, 8) and look.matched == 2
     assert look.draft(tokens + [3], 8) and look.matched == 3
+
+
+def test_a_row_cost_learned_while_the_box_was_busy_is_measured_again():
+    """Drafted steps timed while another process held the core (a drafted row 30 ms where it
+    costs 4) stop drafts even on a copied document; with nothing drafted, nothing measured
+    that again, and drafts stayed off for the daemon's life (seen in a bench run: 2 peers
+    drafted 225 tokens where other runs drafted 720). After PROBE_AFTER plain steps, one
+    drafted row is tried; at its true cost drafts come back, and at a still-high one they
+    stay off until the next probe."""
+    cost = StepCost()
+    for _ in range(5):
+        cost.ran(0.0107, 0)
+    for _ in range(10):
+        cost.ran(0.0107 + 4 * 0.030, 4)
+    assert cost.best_draft(0.95, MAX_DRAFT) == 0
+    for _ in range(PROBE_AFTER - 1):
+        cost.ran(0.0107, 0)
+        assert cost.best_draft(0.95, MAX_DRAFT) == 0
+    cost.ran(0.0107, 0)
+    assert cost.best_draft(0.95, MAX_DRAFT) == 1 and cost.best_draft(0.1, MAX_DRAFT) == 0  # (a probe where one would pay)
+    busy = StepCost()
+    busy.plain, busy.row, busy.undrafted = cost.plain, cost.row, cost.undrafted
+    cost.ran(0.0107 + 0.004, 1)  # the probe, the core free again
+    assert cost.best_draft(0.95, MAX_DRAFT) >= 4
+    busy.ran(0.0107 + 0.030, 1)  # the probe, still busy
+    assert busy.best_draft(0.95, MAX_DRAFT) == 0 and busy.undrafted == 0
 
 
 def test_a_draft_is_as_long_as_pays_on_the_measured_step_costs():

@@ -29,6 +29,10 @@ MIN_NGRAM = 2  # a single token recurs too often in free text to guess from
 MAX_DRAFT = 8  # tokens drafted per step at most
 DECAY = 0.8  # of the acceptance counts at each draft (recent drafts weigh most)
 EMA = 0.2  # weight of a new step time in ``StepCost``
+# Plain steps in a row after which ``best_draft`` drafts one row where the prior cost says
+# it would pay, to measure a row again: a row cost learned while the box was busy would
+# otherwise stop drafting for good (nothing drafted, nothing re-measured).
+PROBE_AFTER = 64
 
 
 class Acceptance:
@@ -145,27 +149,36 @@ class StepCost:
     def __init__(self) -> None:
         self.plain: float | None = None
         self.row: float | None = None
+        self.undrafted = 0  # plain steps since the last drafted one
 
     def ran(self, seconds: float, drafted: int) -> None:
         """A step of one session with ``drafted`` draft rows took ``seconds``."""
         if drafted == 0:
             self.plain = seconds if self.plain is None else (1 - EMA) * self.plain + EMA * seconds
+            self.undrafted += 1
         elif self.plain is not None:
             extra = max(0.0, (seconds - self.plain) / drafted)
-            self.row = extra if self.row is None else (1 - EMA) * self.row + EMA * extra
+            stale = self.undrafted >= PROBE_AFTER  # a probe: the cost it corrects is old
+            self.row = extra if self.row is None or stale else (1 - EMA) * self.row + EMA * extra
+            self.undrafted = 0
 
     def best_draft(self, rate: float, most: int, guess: float = 0.0) -> int:
         """The draft length (0..most) that makes the most tokens per second at ``rate``:
         k drafts give 1 + rate + ... + rate^k tokens for plain + k * (row + guess) seconds
         (``guess``: what making one drafted token costs, a draft model's forward; lookup's
         is free). Before a plain step was timed, none; before a drafted one, a row is taken
-        to cost a quarter of a plain step (it is learned at the first drafted step)."""
+        to cost a quarter of a plain step (it is learned at the first drafted step). After
+        ``PROBE_AFTER`` plain steps in a row, one where a row at that prior cost would pay,
+        so that a cost learned while the box was busy is measured again."""
         if self.plain is None or most <= 0:
             return 0
-        row = (self.row if self.row is not None else self.plain / 4) + guess
+        prior = self.plain / 4
+        row = (self.row if self.row is not None else prior) + guess
         best, best_rate, tokens = 0, 1.0 / self.plain, 1.0
         for k in range(1, min(most, MAX_DRAFT) + 1):
             tokens += rate ** k
             if (r := tokens / (self.plain + k * row)) > best_rate:
                 best, best_rate = k, r
+        if best == 0 and self.undrafted >= PROBE_AFTER and (1 + rate) / (self.plain + prior + guess) > 1 / self.plain:
+            return 1
         return best
