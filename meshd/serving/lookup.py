@@ -31,7 +31,8 @@ DECAY = 0.8  # of the acceptance counts at each draft (recent drafts weigh most)
 EMA = 0.2  # weight of a new step time in ``StepCost``
 # Plain steps in a row after which ``best_draft`` drafts one row where the prior cost says
 # it would pay, to measure a row again: a row cost learned while the box was busy would
-# otherwise stop drafting for good (nothing drafted, nothing re-measured).
+# otherwise stop drafting for good (nothing drafted, nothing re-measured). A probe's time
+# moves the cost as any drafted step's does: one lucky probe does not turn drafts on.
 PROBE_AFTER = 64
 
 
@@ -158,8 +159,7 @@ class StepCost:
             self.undrafted += 1
         elif self.plain is not None:
             extra = max(0.0, (seconds - self.plain) / drafted)
-            stale = self.undrafted >= PROBE_AFTER  # a probe: the cost it corrects is old
-            self.row = extra if self.row is None or stale else (1 - EMA) * self.row + EMA * extra
+            self.row = extra if self.row is None else (1 - EMA) * self.row + EMA * extra
             self.undrafted = 0
 
     def best_draft(self, rate: float, most: int, guess: float = 0.0) -> int:
