@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from meshd.errors import BadRequest, ModelError
 from meshd.serving import toolcalls
@@ -144,14 +144,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, *, integ
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
         raise BadRequest(f"{key} must be {kind}", param=key)
-    _within(key, value, lo, hi, lo_open)
-    return value
-
-
-def _within(key: str, value: float, lo: float, hi: float, lo_open: bool = False) -> None:
-    if not lo <= value <= hi or (lo_open and value == lo):  # (NaN too: JSON may carry it)
-        low = f"> {lo}" if lo_open else f">= {lo}"
-        raise BadRequest(f"{key} must be {low} and <= {hi}, got {value}", param=key)
+    return _in_range(value, key, lo, hi, lo_open)
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -498,9 +491,13 @@ def _integer(body: dict, key: str, default: int) -> int:
     return max(-_INT64, min(_INT64 - 1, value))
 
 
-def _in_range(value: int, key: str, lo: int, hi: int) -> int:
-    if not lo <= value <= hi:
-        raise BadRequest(f"{key} must be >= {lo} and <= {hi}, got {value}", param=key)
+N = TypeVar("N", int, float)
+
+
+def _in_range(value: N, key: str, lo: float, hi: float, lo_open: bool = False) -> N:
+    if not lo <= value <= hi or (lo_open and value == lo):  # (NaN too: JSON may carry it)
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        raise BadRequest(f"{key} must be {low} and <= {hi}, got {value}", param=key)
     return value
 
 
@@ -650,7 +647,7 @@ def prepare(msg: gen.Generate, *, model: str, tokenizer: MeshTokenizer, context:
                          "logit_bias must hold at most 1024 token ids, values within [-100, 100]", param="logit_bias")
     numbers = {name: getattr(req, name) for name in SAMPLING_NUMBERS}
     for name, r in SAMPLING_NUMBERS.items():  # as read_request holds a client's to them; a peer could send others
-        _within(name, numbers[name], r.lo, r.hi, r.lo_open)
+        _in_range(numbers[name], name, r.lo, r.hi, r.lo_open)
     params = SamplingParams(
         seed=req.seed if req.seeded else None, max_tokens=max_tokens, stop=req.stop,
         top_k=max(0, _in_range(req.top_k, "top_k", -1, tokenizer.vocab_size)),  # -1: off (vLLM's)
